@@ -1,0 +1,113 @@
+"""Array backend: NumPy on CPU (default), CuPy on GPU. The only module that imports cupy.
+
+Every op calls ``xp = get_array_module(*arrays)`` and then uses ``xp.*``, so one code path
+serves both devices. The device is chosen explicitly: ``Tensor(..., device="cuda")``, a
+``device=`` argument of the model and CLI, or ``MINITRANSFORMER_DEVICE=cuda`` for the CLI.
+"""
+import os
+
+import numpy as np
+
+_cupy = None
+_cupy_error = None
+try:  # CuPy is optional: the [cuda12] / [cuda13] extras install it.
+    import cupy as _cupy  # noqa: F401
+except Exception as exc:  # ImportError, or a CUDA library failing to load
+    _cupy, _cupy_error = None, exc
+
+CUPY_FIX = ("install CuPy for your CUDA version with `pip install -e .[cuda12]` "
+            "(or `.[cuda13]`), on a machine with an NVIDIA GPU and driver")
+
+
+def cupy_available():
+    """True when CuPy imports and sees at least one GPU."""
+    if _cupy is None:
+        return False
+    try:
+        return _cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def get_xp(device):
+    """The array module for ``device``: 'cpu' -> numpy, 'cuda' (or 'gpu') -> cupy."""
+    device = (device or "cpu").lower()
+    if device == "cpu":
+        return np
+    if device not in ("cuda", "gpu"):
+        raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda'")
+    if _cupy is None:
+        raise RuntimeError(f"device 'cuda' needs CuPy, which failed to import ({_cupy_error}); "
+                           f"{CUPY_FIX}")
+    if not cupy_available():
+        raise RuntimeError(f"device 'cuda' asked for, but CuPy sees no GPU; {CUPY_FIX}, "
+                           "or use device 'cpu'")
+    return _cupy
+
+
+def default_device():
+    """The device named by MINITRANSFORMER_DEVICE, else 'cpu'."""
+    return os.environ.get("MINITRANSFORMER_DEVICE", "cpu").lower()
+
+
+def get_array_module(*arrays):
+    """numpy or cupy, whichever owns the arrays (numpy for scalars and None)."""
+    if _cupy is not None:
+        for a in arrays:
+            if isinstance(a, _cupy.ndarray):
+                return _cupy
+    return np
+
+
+def device_of(array):
+    return "cuda" if get_array_module(array) is not np else "cpu"
+
+
+def to_numpy(array):
+    """A NumPy copy (or the array itself when already NumPy)."""
+    if _cupy is not None and isinstance(array, _cupy.ndarray):
+        return _cupy.asnumpy(array)
+    return np.asarray(array)
+
+
+def scatter_add(table, index, values):
+    """table[index] += values, with repeated indices summed (embedding backward)."""
+    if get_array_module(table) is np:
+        np.add.at(table, index, values)
+    else:
+        import cupyx  # noqa: only reached when CuPy is present
+        cupyx.scatter_add(table, index, values)
+
+
+class Generator:
+    """A seedable random generator on the device: numpy's or cupy's, same interface.
+
+    Dropout takes one explicitly, so masks are reproducible and a checkpoint can save
+    and restore its state (``get_state`` / ``set_state``; the state is plain data).
+    """
+
+    def __init__(self, seed=0, device="cpu"):
+        self.device = device
+        self.xp = get_xp(device)
+        self.seed(seed)
+
+    def seed(self, seed):
+        self._seed = int(seed)
+        self._gen = self.xp.random.default_rng(self._seed) if self.xp is np else \
+            self.xp.random.default_rng(self._seed)
+
+    def random(self, shape, dtype):
+        """Uniform [0, 1) of ``dtype`` (float32 or float64)."""
+        return self._gen.random(shape, dtype=dtype)
+
+    def get_state(self):
+        if self.xp is np:
+            return {"seed": self._seed, "bit_generator": self._gen.bit_generator.state}
+        # cupy's generator: we keep seed and the number of draws is not exposed, so the
+        # state is recorded as the seed plus a draw counter kept by the caller.
+        return {"seed": self._seed}
+
+    def set_state(self, state):
+        self.seed(state["seed"])
+        if self.xp is np and "bit_generator" in state:
+            self._gen.bit_generator.state = state["bit_generator"]

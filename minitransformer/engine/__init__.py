@@ -1,0 +1,15 @@
+"""The engine: Tensor and tape, the Functions (forward and backward side by side), gradcheck."""
+from .attention import ScaledDotProductAttention, scaled_dot_product_attention
+from .cross_entropy import SoftmaxCrossEntropy, softmax_cross_entropy
+from .gradcheck import GradcheckError, gradcheck
+from .layernorm import LayerNorm, layer_norm
+from .ops import (Add, Div, Dropout, Embedding, Exp, Linear, Log, MatMul, Mean, MergeHeads, Mul,
+                  Neg, Power, ReLU, Reshape, SplitHeads, Sub, Sum, Transpose, add, div, dropout,
+                  embedding, exp, linear, log, matmul, mean, merge_heads, mul, neg, power, relu,
+                  reshape, split_heads, sub, sum, transpose)
+from .softmax import LogSoftmax, Softmax, log_softmax, softmax
+from .tensor import Function, Tensor, is_grad_enabled, no_grad
+
+FUNCTIONS = [Add, Sub, Mul, Div, Neg, Power, Exp, Log, ReLU, Sum, Mean, Reshape, Transpose,
+             SplitHeads, MergeHeads, MatMul, Linear, Dropout, Embedding, Softmax, LogSoftmax,
+             LayerNorm, ScaledDotProductAttention, SoftmaxCrossEntropy]

@@ -1,0 +1,92 @@
+"""Scaled dot-product attention (§3.2.1), fused: one node on the tape.
+
+Forward, per batch b and head h, with q (T, K), k (S, K), v (S, K):
+    s = q k^T / sqrt(K)                   scores (T, S)
+    s[i, j] = -inf where key j is padding, or (causal) j is in the future of query i
+    p = softmax(s)                        over keys; a row with every key masked gives p = 0
+    p~ = p * m / (1 - rate)               attention dropout (optional, m ~ Bernoulli)
+    out = p~ v                            (T, K)
+Backward through the saved probabilities p (and the dropout mask):
+    dv = p~^T dout,   dp~ = dout v^T,   dp = dp~ * m / (1 - rate)
+    ds = p * (dp - sum_j(dp * p)) / sqrt(K)       (softmax's Jacobian, folded)
+    dq = ds k,        dk = ds^T q
+Masking convention: the one mask value is -inf, added before the softmax; rows whose keys are
+all masked are defined to attend to nothing (output 0, gradient 0) instead of NaN.
+"""
+import math
+
+from .. import backend
+from .tensor import Function
+
+
+def attention_bias(xp, dtype, key_mask=None, causal=False, T=None, S=None):
+    """Additive mask: 0 where attending is allowed, -inf elsewhere; broadcasts to (B, H, T, S).
+
+    key_mask: bool (B, S), True for real tokens. causal: query i sees keys j <= i + (S - T),
+    so a block of T new queries at the end of S keys (incremental decoding) is handled too.
+    """
+    bias = None
+    if key_mask is not None:
+        bias = xp.where(key_mask, dtype.type(0), dtype.type(-xp.inf)).astype(dtype)
+        bias = bias[:, None, None, :]  # (B, 1, 1, S)
+    if causal:
+        future = xp.triu(xp.ones((T, S), dtype=bool), k=S - T + 1)
+        cb = xp.where(future, dtype.type(-xp.inf), dtype.type(0)).astype(dtype)  # (T, S)
+        bias = cb if bias is None else bias + cb
+    return bias
+
+
+class ScaledDotProductAttention(Function):
+    def forward(self, q, k, v):
+        xp = backend.get_array_module(q)
+        T, S, K = q.shape[-2], k.shape[-2], q.shape[-1]
+        self.scale = q.dtype.type(1.0 / math.sqrt(K))
+        s = (q * self.scale) @ k.swapaxes(-1, -2)  # (B, H, T, S)
+        bias = attention_bias(xp, s.dtype, self.key_mask, self.causal, T, S)
+        if bias is not None:
+            s += bias
+        m = s.max(axis=-1, keepdims=True)
+        if bias is not None:
+            m[~xp.isfinite(m)] = 0  # fully masked row: keep exp(-inf - 0) = 0, no NaN
+        s -= m
+        xp.exp(s, out=s)
+        z = s.sum(axis=-1, keepdims=True)
+        if bias is not None:
+            z[z == 0] = 1
+        s /= z  # s is now p
+        self.p, self.q, self.k, self.v = s, q, k, v
+        if self.store is not None:  # attention maps for plotting, (B, H, T, S)
+            self.store.append(backend.to_numpy(s))
+        self.mask = None
+        if self.training and self.dropout > 0:
+            keep = self.rng.random(s.shape, s.dtype) >= self.dropout
+            self.mask = keep * s.dtype.type(1.0 / (1.0 - self.dropout))
+            return (s * self.mask) @ v
+        return s @ v
+
+    def backward(self, dout):
+        p, q, k, v, mask = self.p, self.q, self.k, self.v, self.mask
+        pd = p if mask is None else p * mask
+        dv = pd.swapaxes(-1, -2) @ dout
+        dp = dout @ v.swapaxes(-1, -2)  # (B, H, T, S)
+        if mask is not None:
+            dp *= mask
+        dp -= (dp * p).sum(axis=-1, keepdims=True)
+        dp *= p
+        dp *= self.scale  # dp is now ds
+        return dp @ k, dp.swapaxes(-1, -2) @ q, dv
+
+
+def scaled_dot_product_attention(q, k, v, key_mask=None, causal=False, dropout=0.0,
+                                 rng=None, training=False, store=None):
+    """softmax(q k^T / sqrt(K) + mask) v for q (B, H, T, K), k and v (B, H, S, K).
+
+    key_mask: bool array (B, S), True for real (non-padding) keys. causal: mask the future.
+    dropout/rng/training: dropout on the probabilities. store: a list that receives the
+    attention probabilities (B, H, T, S) as NumPy arrays, for plotting.
+    """
+    if key_mask is not None and hasattr(key_mask, "data") and not hasattr(key_mask, "shape"):
+        key_mask = key_mask.data
+    return ScaledDotProductAttention.apply(q, k, v, key_mask=key_mask, causal=causal,
+                                           dropout=dropout if training else 0.0, rng=rng,
+                                           training=training, store=store)

@@ -1,0 +1,75 @@
+"""Softmax cross-entropy with label smoothing (§5.4), fused: one node on the tape.
+
+For logits z (N, V) and targets t (N,), the smoothed target distribution q is
+    q_t = 1 - eps,  q_v = eps / (V - 1) for v != t      (default, "others")
+    q_t = 1 - eps + eps / V,  q_v = eps / V             (switch: smoothing="uniform")
+and the loss of one token is the cross-entropy H(q, softmax(z)):
+    loss = -sum_v q_v log p_v = logsumexp(z) - sum_v q_v z_v     (since sum_v q_v = 1)
+         = lse - c_o * sum_v z_v - (c_t - c_o) * z_t
+Tokens whose target is the padding index contribute nothing. The Function returns the
+*summed* loss over non-padding tokens; ``softmax_cross_entropy`` also returns their count,
+so the caller normalises (per token, per batch, or across processes) as it needs.
+Backward (closed form, no log-softmax kept): dz = (softmax(z) - q) * dloss, 0 on padding rows.
+Saves the logits (already alive), logsumexp (N,) and the targets.
+"""
+from .. import backend
+from .tensor import Function, Tensor
+
+
+def smoothing_weights(eps, V, smoothing="others"):
+    """(c_t, c_o): the smoothed target's probability on the target class and on each other."""
+    if smoothing == "others":
+        return 1.0 - eps, eps / (V - 1)
+    if smoothing == "uniform":
+        return 1.0 - eps + eps / V, eps / V
+    raise ValueError(f"smoothing must be 'others' or 'uniform', got {smoothing!r}")
+
+
+class SoftmaxCrossEntropy(Function):
+    def forward(self, z, t):
+        xp = backend.get_array_module(z)
+        V = z.shape[-1]
+        z = z.reshape(-1, V)
+        t = t.reshape(-1)
+        valid = t != self.pad_idx if self.pad_idx is not None else xp.ones(t.shape, bool)
+        c_t, c_o = smoothing_weights(self.eps, V, self.smoothing)
+        m = z.max(axis=1)
+        e = xp.exp(z - m[:, None])  # the one (N, V) temporary of the forward pass
+        lse = m + xp.log(e.sum(axis=1))
+        del e
+        rows = xp.arange(z.shape[0])
+        tc = xp.where(valid, t, 0)  # padding rows read class 0, then are zeroed
+        loss = lse - c_o * z.sum(axis=1) - (c_t - c_o) * z[rows, tc]
+        self.z, self.lse, self.t, self.valid, self.c = z, lse, tc, valid, (c_t, c_o)
+        return (loss * valid).sum()
+
+    def backward(self, dloss):
+        xp = backend.get_array_module(dloss)
+        z, c_t, c_o = self.z, *self.c
+        dz = z - self.lse[:, None]
+        xp.exp(dz, out=dz)  # softmax(z)
+        dz -= z.dtype.type(c_o)
+        dz[xp.arange(z.shape[0]), self.t] -= z.dtype.type(c_t - c_o)  # dz = p - q
+        dz *= (self.valid * dloss).astype(z.dtype)[:, None]
+        return dz.reshape(self.shape_in), None
+
+
+def softmax_cross_entropy(logits, targets, label_smoothing=0.0, pad_idx=None,
+                          smoothing="others"):
+    """Label-smoothed cross-entropy summed over non-padding tokens.
+
+    logits: Tensor (..., V); targets: integer array (...); returns (loss_sum, n_tokens)
+    where loss_sum is a scalar Tensor and n_tokens the number of non-padding targets (int).
+    """
+    t = targets.data if isinstance(targets, Tensor) else targets
+    xp = backend.get_array_module(t)
+    V = logits.shape[-1]
+    if t.shape != logits.shape[:-1]:
+        raise ValueError(f"targets shape {t.shape} does not match logits {logits.shape[:-1]}")
+    valid = t != pad_idx if pad_idx is not None else xp.ones(t.shape, bool)
+    if t.size and (int(xp.where(valid, t, 0).max()) >= V or int(xp.where(valid, t, 0).min()) < 0):
+        raise ValueError(f"a target id is outside the vocabulary [0, {V})")
+    loss = SoftmaxCrossEntropy.apply(logits, Tensor(t), eps=float(label_smoothing),
+                                     pad_idx=pad_idx, smoothing=smoothing,
+                                     shape_in=logits.shape)
+    return loss, int(valid.sum())

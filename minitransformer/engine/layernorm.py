@@ -1,0 +1,41 @@
+"""Layer normalisation (Ba et al. 2016), fused: one node on the tape.
+
+Forward, over the last axis of size D:
+    mean = sum(x) / D,  var = sum((x - mean)^2) / D,  rstd = 1 / sqrt(var + eps)
+    x_hat = (x - mean) * rstd,  y = gamma * x_hat + beta
+Backward (closed form; dxh = dy * gamma is the gradient reaching x_hat):
+    dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat))
+    dgamma = sum over rows of dy * x_hat,  dbeta = sum over rows of dy
+Saves x_hat and rstd, nothing else.
+"""
+from .. import backend
+from .tensor import Function
+
+
+class LayerNorm(Function):
+    def forward(self, x, gamma, beta):
+        xp = backend.get_array_module(x)
+        mean = x.mean(axis=-1, keepdims=True)
+        xc = x - mean
+        var = (xc * xc).mean(axis=-1, keepdims=True)
+        rstd = 1.0 / xp.sqrt(var + x.dtype.type(self.eps))
+        xc *= rstd  # xc is now x_hat
+        self.x_hat, self.rstd, self.gamma = xc, rstd, gamma
+        return xc * gamma + beta
+
+    def backward(self, dy):
+        x_hat, rstd = self.x_hat, self.rstd
+        D = x_hat.shape[-1]
+        dy2, xh2 = dy.reshape(-1, D), x_hat.reshape(-1, D)
+        dgamma = (dy2 * xh2).sum(axis=0)
+        dbeta = dy2.sum(axis=0)
+        dxh = dy * self.gamma
+        dx = dxh - dxh.mean(axis=-1, keepdims=True)
+        dx -= x_hat * (dxh * x_hat).mean(axis=-1, keepdims=True)
+        dx *= rstd
+        return dx, dgamma, dbeta
+
+
+def layer_norm(x, gamma, beta, eps=1e-5):
+    """LayerNorm over the last axis: x (..., D), gamma (D,), beta (D,) -> (..., D)."""
+    return LayerNorm.apply(x, gamma, beta, eps=eps)

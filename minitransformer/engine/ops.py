@@ -1,0 +1,306 @@
+"""Primitive Functions: each op's forward and backward side by side, on raw arrays.
+
+Shape letters used throughout the package: B batch, S source length, T target length,
+D d_model, H heads, K = D / H, F d_ff, V vocabulary, N = B * T tokens.
+Broadcasting: backward returns the gradient in the *output* shape; the engine sums it back
+to each input's shape (``tensor.unbroadcast``), in one place.
+"""
+from .. import backend
+from .tensor import Function, Tensor, as_tensor
+
+
+def _xp(*arrays):
+    return backend.get_array_module(*arrays)
+
+
+def _pair(a, b):
+    """Two tensors, a Python number taking the other's dtype and device (no promotion)."""
+    if not isinstance(a, Tensor):
+        a = as_tensor(a, like=b)
+    if not isinstance(b, Tensor):
+        b = as_tensor(b, like=a)
+    return a, b
+
+
+# ---- elementwise arithmetic ---------------------------------------------------------------
+class Add(Function):
+    """y = a + b;  da = dy, db = dy (broadcast axes summed by the engine)."""
+    def forward(self, a, b):
+        return a + b
+
+    def backward(self, dy):
+        return dy, dy
+
+
+class Sub(Function):
+    """y = a - b;  da = dy, db = -dy."""
+    def forward(self, a, b):
+        return a - b
+
+    def backward(self, dy):
+        return dy, -dy
+
+
+class Mul(Function):
+    """y = a * b;  da = dy * b, db = dy * a."""
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return a * b
+
+    def backward(self, dy):
+        return dy * self.b, dy * self.a
+
+
+class Div(Function):
+    """y = a / b;  da = dy / b, db = -dy * a / b^2 = -dy * y / b."""
+    def forward(self, a, b):
+        self.b = b
+        self.y = a / b
+        return self.y
+
+    def backward(self, dy):
+        da = dy / self.b
+        return da, -da * self.y
+
+
+class Neg(Function):
+    """y = -x;  dx = -dy."""
+    def forward(self, x):
+        return -x
+
+    def backward(self, dy):
+        return -dy
+
+
+class Power(Function):
+    """y = x^p for a constant p;  dx = dy * p * x^(p-1)."""
+    def forward(self, x):
+        self.x = x
+        return x ** self.p
+
+    def backward(self, dy):
+        return dy * (self.p * self.x ** (self.p - 1))
+
+
+class Exp(Function):
+    """y = exp(x);  dx = dy * y (saves the output)."""
+    def forward(self, x):
+        self.y = _xp(x).exp(x)
+        return self.y
+
+    def backward(self, dy):
+        return dy * self.y
+
+
+class Log(Function):
+    """y = log(x);  dx = dy / x."""
+    def forward(self, x):
+        self.x = x
+        return _xp(x).log(x)
+
+    def backward(self, dy):
+        return dy / self.x
+
+
+class ReLU(Function):
+    """y = max(0, x);  dx = dy * [y > 0] (saves the output, as the mask)."""
+    def forward(self, x):
+        self.y = _xp(x).maximum(x, 0)
+        return self.y
+
+    def backward(self, dy):
+        return dy * (self.y > 0)
+
+
+# ---- reductions and shape -----------------------------------------------------------------
+class Sum(Function):
+    """y = sum(x, axis);  dx = dy broadcast back over the summed axes."""
+    def forward(self, x):
+        self.shape = x.shape
+        return x.sum(axis=self.axis, keepdims=self.keepdims)
+
+    def backward(self, dy):
+        xp = _xp(dy)
+        if not self.keepdims and self.axis is not None:
+            axes = (self.axis,) if isinstance(self.axis, int) else self.axis
+            dy = xp.expand_dims(dy, tuple(a % len(self.shape) for a in axes))
+        return xp.broadcast_to(dy, self.shape)
+
+
+class Mean(Function):
+    """y = mean(x, axis);  dx = dy / n broadcast back (n = number of averaged elements)."""
+    def forward(self, x):
+        self.shape = x.shape
+        y = x.mean(axis=self.axis, keepdims=self.keepdims)
+        self.n = x.size // max(y.size, 1)
+        return y
+
+    def backward(self, dy):
+        xp = _xp(dy)
+        if not self.keepdims and self.axis is not None:
+            axes = (self.axis,) if isinstance(self.axis, int) else self.axis
+            dy = xp.expand_dims(dy, tuple(a % len(self.shape) for a in axes))
+        return xp.broadcast_to(dy / self.n, self.shape)
+
+
+class Reshape(Function):
+    """y = x.reshape(shape);  dx = dy.reshape(x.shape)."""
+    def forward(self, x):
+        self.in_shape = x.shape
+        return x.reshape(self.new_shape)
+
+    def backward(self, dy):
+        return dy.reshape(self.in_shape)
+
+
+class Transpose(Function):
+    """y = x.transpose(axes);  dx = dy.transpose(inverse(axes))."""
+    def forward(self, x):
+        self.axes_ = self.axes if self.axes is not None else tuple(reversed(range(x.ndim)))
+        return x.transpose(self.axes_)
+
+    def backward(self, dy):
+        inverse = [0] * len(self.axes_)
+        for i, a in enumerate(self.axes_):
+            inverse[a] = i
+        return dy.transpose(inverse)
+
+
+class SplitHeads(Function):
+    """(B, T, D) -> (B, H, T, K), K = D / H: head_i takes features [i*K, (i+1)*K).
+
+    dx = dy transposed back and merged. A contiguous copy is made so the following
+    batched matmuls run on dense blocks.
+    """
+    def forward(self, x):
+        B, T, D = x.shape
+        y = x.reshape(B, T, self.n_heads, D // self.n_heads).transpose(0, 2, 1, 3)
+        return _xp(x).ascontiguousarray(y)
+
+    def backward(self, dy):
+        B, H, T, K = dy.shape
+        return dy.transpose(0, 2, 1, 3).reshape(B, T, H * K)
+
+
+class MergeHeads(Function):
+    """(B, H, T, K) -> (B, T, D): Concat(head_1, ..., head_h) of the paper (§3.2.2)."""
+    def forward(self, x):
+        B, H, T, K = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(B, T, H * K)
+
+    def backward(self, dy):
+        B, T, D = dy.shape
+        y = dy.reshape(B, T, self.n_heads, D // self.n_heads).transpose(0, 2, 1, 3)
+        return _xp(dy).ascontiguousarray(y)
+
+
+# ---- linear algebra -----------------------------------------------------------------------
+class MatMul(Function):
+    """y = a @ b (batched over leading axes);  da = dy @ b^T, db = a^T @ dy."""
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return a @ b
+
+    def backward(self, dy):
+        a, b = self.a, self.b
+        if b.ndim == 1:  # matrix @ vector
+            return dy[..., None] * b, (a * dy[..., None]).reshape(-1, b.shape[0]).sum(0)
+        if a.ndim == 1:
+            return (b @ dy[..., None])[..., 0], a[:, None] * dy[..., None, :]
+        return dy @ b.swapaxes(-1, -2), a.swapaxes(-1, -2) @ dy
+
+
+class Linear(Function):
+    """y = x W + b for x (..., Din), W (Din, Dout), b (Dout,) or None.
+
+    Runs as one 2-D GEMM over all N = prod(...) rows.
+    dx = dy W^T;  dW = x^T dy;  db = sum_n dy.
+    """
+    def forward(self, x, w, b=None):
+        self.x, self.w, self.has_bias = x, w, b is not None
+        y = x.reshape(-1, x.shape[-1]) @ w
+        if b is not None:
+            y += b
+        return y.reshape(x.shape[:-1] + (w.shape[1],))
+
+    def backward(self, dy):
+        x, w = self.x, self.w
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = (dy2 @ w.T).reshape(x.shape)
+        dw = x.reshape(-1, x.shape[-1]).T @ dy2
+        if not self.has_bias:
+            return dx, dw
+        return dx, dw, dy2.sum(axis=0)
+
+
+# ---- regularisation and lookup ------------------------------------------------------------
+class Dropout(Function):
+    """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from an explicit generator;  dx = dy * m / (1 - p).
+
+    The scaled mask is saved (one array of x's shape and dtype).
+    """
+    def forward(self, x):
+        keep = self.rng.random(x.shape, x.dtype) >= self.p
+        self.mask = keep * x.dtype.type(1.0 / (1.0 - self.p))
+        return x * self.mask
+
+    def backward(self, dy):
+        return dy * self.mask
+
+
+class Embedding(Function):
+    """y[n] = W[ids[n]] for integer ids (...,) and table W (V, D) -> (..., D).
+
+    dW = scatter-add of dy rows into the rows named by ids (repeats summed); the padding
+    row receives no gradient, so it stays as initialised. ids get no gradient.
+    """
+    def forward(self, ids, weight):
+        self.ids, self.vocab = ids, weight.shape
+        return weight[ids]
+
+    def backward(self, dy):
+        xp = _xp(dy)
+        dw = xp.zeros(self.vocab, dtype=dy.dtype)
+        backend.scatter_add(dw, self.ids.reshape(-1), dy.reshape(-1, self.vocab[1]))
+        if self.padding_idx is not None:
+            dw[self.padding_idx] = 0
+        return None, dw
+
+
+# ---- functional API: what models call -----------------------------------------------------
+def add(a, b): return Add.apply(*_pair(a, b))
+def sub(a, b): return Sub.apply(*_pair(a, b))
+def mul(a, b): return Mul.apply(*_pair(a, b))
+def div(a, b): return Div.apply(*_pair(a, b))
+def neg(x): return Neg.apply(x)
+def power(x, p): return Power.apply(x, p=p)
+def exp(x): return Exp.apply(x)
+def log(x): return Log.apply(x)
+def relu(x): return ReLU.apply(x)
+def sum(x, axis=None, keepdims=False): return Sum.apply(x, axis=axis, keepdims=keepdims)  # noqa: A001
+def mean(x, axis=None, keepdims=False): return Mean.apply(x, axis=axis, keepdims=keepdims)
+def reshape(x, shape): return Reshape.apply(x, new_shape=tuple(shape))
+def transpose(x, axes=None): return Transpose.apply(x, axes=None if axes is None else tuple(axes))
+def split_heads(x, n_heads): return SplitHeads.apply(x, n_heads=n_heads)
+def merge_heads(x, n_heads): return MergeHeads.apply(x, n_heads=n_heads)
+def matmul(a, b): return MatMul.apply(*_pair(a, b))
+
+
+def linear(x, weight, bias=None):
+    """x (..., Din) @ weight (Din, Dout) + bias (Dout,)."""
+    return Linear.apply(x, weight, bias) if bias is not None else Linear.apply(x, weight)
+
+
+def dropout(x, p, rng, training=True):
+    """Inverted dropout with rate ``p``, masks drawn from ``rng`` (a backend.Generator)."""
+    if not training or p == 0.0:
+        return x
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {p}")
+    return Dropout.apply(x, p=p, rng=rng)
+
+
+def embedding(ids, weight, padding_idx=None):
+    """Rows of ``weight`` (V, D) for integer ``ids``; padding row gets no gradient."""
+    ids = ids.data if isinstance(ids, Tensor) else ids
+    return Embedding.apply(Tensor(ids), weight, padding_idx=padding_idx)

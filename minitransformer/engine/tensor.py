@@ -1,0 +1,254 @@
+"""Tensor and the tape: define-by-run reverse-mode autodiff.
+
+Every application of a :class:`Function` to tensors that need gradients creates a node with
+a sequence number taken from one global counter: the tape. ``loss.backward()`` collects the
+nodes reachable from ``loss`` and walks them in reverse tape order, calling each node's
+``backward`` on raw arrays. The engine, not the op, sums broadcast axes back to each input's
+shape, checks shapes and accumulates (``grad += g``), so a tensor used twice gets the sum.
+"""
+import contextlib
+import itertools
+
+import numpy as np
+
+from .. import backend
+
+_tape_counter = itertools.count()
+_grad_enabled = True
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Inside this block nothing is recorded on the tape (inference, evaluation)."""
+    global _grad_enabled
+    previous, _grad_enabled = _grad_enabled, False
+    try:
+        yield
+    finally:
+        _grad_enabled = previous
+
+
+def is_grad_enabled():
+    return _grad_enabled
+
+
+class Tensor:
+    """An n-d array (numpy or cupy) with an optional gradient.
+
+    ``data`` is the raw array, ``grad`` the accumulated gradient (same shape and dtype, or
+    None), ``node`` the Function application that produced it (None for leaves).
+    """
+
+    __array_priority__ = 100  # so that ndarray * Tensor calls Tensor.__rmul__
+
+    def __init__(self, data, requires_grad=False, device=None, dtype=None, name=None):
+        if isinstance(data, Tensor):
+            data = data.data
+        if device is not None:
+            xp = backend.get_xp(device)
+            data = xp.asarray(data, dtype=dtype)
+        else:
+            xp = backend.get_array_module(data)
+            data = xp.asarray(data, dtype=dtype)
+        self.data = data
+        self.grad = None
+        self.requires_grad = bool(requires_grad)
+        self.node = None
+        self.name = name
+
+    # ---- basic properties -------------------------------------------------------------
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+    device = property(lambda self: backend.device_of(self.data))
+
+    @property
+    def xp(self):
+        return backend.get_array_module(self.data)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __repr__(self):
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, device={self.device}{grad})"
+
+    def numpy(self):
+        """The values as a NumPy array (copied from the GPU if needed)."""
+        return backend.to_numpy(self.data)
+
+    def item(self):
+        return self.numpy().item()
+
+    def detach(self):
+        return Tensor(self.data)
+
+    def zero_grad(self):
+        self.grad = None
+
+    # ---- the tape walk ----------------------------------------------------------------
+    def backward(self, grad=None):
+        """Reverse-mode sweep from this tensor; gradients accumulate into leaves' ``.grad``.
+
+        ``grad`` is the seed gradient dL/dself; it may be omitted only for a scalar.
+        The saved arrays of every node are released afterwards, so a second backward through
+        the same graph raises an error (build the graph again by re-running forward).
+        """
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad: no input "
+                               "of the computation had requires_grad=True (or it ran under "
+                               "no_grad())")
+        xp = self.xp
+        if grad is None:
+            if self.size != 1:
+                raise RuntimeError(f"backward() on a non-scalar tensor of shape {self.shape} "
+                                   "needs a seed gradient: call t.backward(grad) with an array "
+                                   "of that shape, or reduce to a scalar first (e.g. .sum())")
+            grad = xp.ones(self.shape, dtype=self.dtype)
+        else:
+            grad = grad.data if isinstance(grad, Tensor) else xp.asarray(grad, dtype=self.dtype)
+            if grad.shape != self.shape:
+                raise ValueError(f"seed gradient has shape {grad.shape}, tensor has {self.shape}")
+
+        if self.node is None:  # a leaf
+            _accumulate(self, grad)
+            return
+        # Reachable nodes, visited in reverse tape order (= a reverse topological order).
+        nodes, stack, seen = [], [self.node], {id(self.node)}
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            for t in node.inputs:
+                if t.node is not None and id(t.node) not in seen:
+                    seen.add(id(t.node))
+                    stack.append(t.node)
+        nodes.sort(key=lambda n: n.tape_index, reverse=True)
+
+        grads = {id(self.node): grad}
+        for node in nodes:
+            g_out = grads.pop(id(node), None)
+            if g_out is None:
+                continue
+            if node.released:
+                raise RuntimeError(f"second backward through {type(node).__name__}: its saved "
+                                   "arrays were released by the first backward; run the "
+                                   "forward pass again to build a new graph")
+            g_in = node.backward(g_out)
+            if not isinstance(g_in, tuple):
+                g_in = (g_in,)
+            node.release()
+            for t, g in zip(node.inputs, g_in):
+                if g is None or not t.requires_grad:
+                    continue
+                g = unbroadcast(g, t.shape)
+                if t.node is None:
+                    _accumulate(t, g)
+                else:
+                    key = id(t.node)
+                    grads[key] = g if key not in grads else grads[key] + g
+
+    # ---- operators: thin wrappers over the Functions in ops.py ------------------------
+    def __add__(self, other): return _ops().add(self, other)
+    def __radd__(self, other): return _ops().add(other, self)
+    def __sub__(self, other): return _ops().sub(self, other)
+    def __rsub__(self, other): return _ops().sub(other, self)
+    def __mul__(self, other): return _ops().mul(self, other)
+    def __rmul__(self, other): return _ops().mul(other, self)
+    def __truediv__(self, other): return _ops().div(self, other)
+    def __rtruediv__(self, other): return _ops().div(other, self)
+    def __neg__(self): return _ops().neg(self)
+    def __matmul__(self, other): return _ops().matmul(self, other)
+    def __pow__(self, exponent): return _ops().power(self, exponent)
+
+    def sum(self, axis=None, keepdims=False): return _ops().sum(self, axis, keepdims)
+    def mean(self, axis=None, keepdims=False): return _ops().mean(self, axis, keepdims)
+    def reshape(self, *shape): return _ops().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+    def transpose(self, *axes): return _ops().transpose(self, axes or None)
+    def exp(self): return _ops().exp(self)
+    def log(self): return _ops().log(self)
+    def relu(self): return _ops().relu(self)
+
+    @property
+    def T(self):
+        return self.transpose()
+
+
+def _ops():
+    from . import ops  # late import: ops imports this module
+    return ops
+
+
+def _accumulate(t, g):
+    if g.shape != t.shape:
+        raise RuntimeError(f"internal error: gradient of shape {g.shape} for a tensor of "
+                           f"shape {t.shape}")
+    if t.grad is None:
+        t.grad = g.copy()  # g may be shared with another input (e.g. both sides of an add)
+    else:
+        t.grad += g
+
+
+def unbroadcast(g, shape):
+    """Sum ``g`` over the axes that broadcasting added or stretched, to get ``shape``."""
+    if g.shape == tuple(shape):
+        return g
+    extra = g.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(i + extra for i, n in enumerate(shape)
+                                       if n == 1 and g.shape[i + extra] != 1)
+    g = g.sum(axis=axes, keepdims=True) if axes else g
+    return g.reshape(shape)
+
+
+def as_tensor(x, like=None):
+    """Wrap a Python number or array as a constant Tensor (on ``like``'s device and dtype)."""
+    if isinstance(x, Tensor):
+        return x
+    if like is not None:
+        xp = like.xp
+        return Tensor(xp.asarray(x, dtype=like.dtype))
+    return Tensor(x)
+
+
+class Function:
+    """One op: ``forward`` on raw arrays, ``backward`` on raw arrays, side by side.
+
+    Subclass it and call ``MyFunction.apply(*inputs, **options)``. ``forward(*arrays)``
+    returns the output array and saves what backward needs on ``self``;
+    ``backward(dy)`` returns one gradient per tensor input (None for integer or
+    non-differentiable ones). Keyword options (not tensors) go to ``__init__``.
+    """
+
+    def __init__(self, **options):
+        for k, v in options.items():
+            setattr(self, k, v)
+        self.released = False
+
+    @classmethod
+    def apply(cls, *inputs, **options):
+        fn = cls(**options)
+        tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
+        out = fn.forward(*(t.data for t in tensors))
+        out = Tensor(out)
+        if _grad_enabled and any(t.requires_grad for t in tensors):
+            fn.inputs = tensors
+            fn.tape_index = next(_tape_counter)
+            out.requires_grad = True
+            out.node = fn
+        else:  # not recorded: drop what forward saved right away
+            fn.release()
+        return out
+
+    def forward(self, *arrays):
+        raise NotImplementedError
+
+    def backward(self, dy):
+        raise NotImplementedError
+
+    def release(self):
+        """Drop the arrays saved for backward (called by the engine after backward)."""
+        keep = {"inputs", "tape_index", "released"}
+        for k in list(vars(self)):
+            if k not in keep and hasattr(getattr(self, k), "shape"):
+                setattr(self, k, None)
+        self.released = True

@@ -1,0 +1,124 @@
+"""Modules: containers of named parameters with a forward pass built from Functions."""
+import math
+
+import numpy as np
+
+from .. import backend
+from ..engine import ops
+from ..engine.layernorm import layer_norm
+from ..engine.tensor import Tensor
+
+
+class Module:
+    """Base class. Parameters are Tensor attributes with requires_grad=True; submodules are
+    Module attributes (or lists of Modules). Names are dotted paths ('encoder.layers.0.ff.w1').
+    """
+    training = True
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def named_children(self):
+        for name, v in vars(self).items():
+            if isinstance(v, Module):
+                yield name, v
+            elif isinstance(v, (list, tuple)):
+                for i, m in enumerate(v):
+                    if isinstance(m, Module):
+                        yield f"{name}.{i}", m
+
+    def modules(self):
+        yield self
+        for _, m in self.named_children():
+            yield from m.modules()
+
+    def named_parameters(self, prefix=""):
+        """(name, Tensor) pairs, each shared parameter once (under its first name)."""
+        seen = set()
+        for name, p in self._named_parameters(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _named_parameters(self, prefix):
+        for name, v in vars(self).items():
+            if isinstance(v, Tensor) and v.requires_grad:
+                yield prefix + name, v
+        for name, m in self.named_children():
+            yield from m._named_parameters(f"{prefix}{name}.")
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad = None
+
+    def train(self, mode=True):
+        for m in self.modules():
+            m.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def state_dict(self):
+        """Name -> NumPy array of every parameter (copied to the host)."""
+        return {name: p.numpy() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state, strict=True):
+        own = dict(self.named_parameters())
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if strict and (missing or unexpected):
+            raise KeyError(f"parameter names do not match: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+        for name, p in own.items():
+            if name not in state:
+                continue
+            a = state[name]
+            if tuple(a.shape) != p.shape:
+                raise ValueError(f"parameter {name}: checkpoint shape {tuple(a.shape)}, "
+                                 f"model shape {p.shape}")
+            p.data = p.xp.asarray(a, dtype=p.dtype)
+
+
+def parameter(array):
+    return Tensor(array, requires_grad=True)
+
+
+class Linear(Module):
+    """y = x W + b;  W (Din, Dout) initialised Xavier-uniform (Glorot & Bengio), b = 0."""
+
+    def __init__(self, d_in, d_out, bias=True, rng=None, dtype=np.float32, device="cpu"):
+        rng = rng or np.random.default_rng(0)
+        xp = backend.get_xp(device)
+        limit = math.sqrt(6.0 / (d_in + d_out))
+        self.weight = parameter(xp.asarray(rng.uniform(-limit, limit, (d_in, d_out)), dtype=dtype))
+        self.bias = parameter(xp.zeros(d_out, dtype=dtype)) if bias else None
+
+    def forward(self, x):
+        return ops.linear(x, self.weight, self.bias)
+
+
+class LayerNorm(Module):
+    """Layer normalisation over the last axis with gain gamma = 1 and bias beta = 0 at start."""
+
+    def __init__(self, d, eps=1e-5, dtype=np.float32, device="cpu"):
+        xp = backend.get_xp(device)
+        self.gamma = parameter(xp.ones(d, dtype=dtype))
+        self.beta = parameter(xp.zeros(d, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x):
+        return layer_norm(x, self.gamma, self.beta, self.eps)
+
+
+class Dropout(Module):
+    """Inverted dropout with its own seedable generator (``rng``), active in training mode."""
+
+    def __init__(self, p, rng):
+        self.p, self.rng = p, rng
+
+    def forward(self, x):
+        return ops.dropout(x, self.p, self.rng, self.training)
