@@ -1,0 +1,136 @@
+"""Checkpoints: one ``.npz`` of named arrays per checkpoint, written atomically.
+
+A run directory holds
+    config.json               {"model": TransformerConfig fields, "train": training options}
+    spm.model                 the joint sentencepiece model
+    checkpoint_last.npz       the newest state (written at every save)
+    checkpoint_best.npz       the best by validation BLEU
+    checkpoint_<update>.npz   periodic ones, the newest ``keep_last`` kept
+    metrics.jsonl             one JSON object per logged update / validation
+Each checkpoint holds the parameters as ``model/<name>`` (float32, shapes in the README), the
+Adam moments as ``optim/m.<i>`` and ``optim/v.<i>`` (i = parameter order), and ``meta``: one
+JSON string with the update count, data position, random-generator states, best BLEU, the
+model config and the sentencepiece model's SHA-256. Everything loads with
+``np.load(path, allow_pickle=False)`` on any machine, whatever device wrote it.
+Writes go to a temporary file in the same directory, are flushed to disk, then renamed over
+the target: a run killed at any moment leaves the previous checkpoint intact.
+"""
+import glob
+import hashlib
+import json
+import os
+import re
+import tempfile
+
+import numpy as np
+
+from ..nn.transformer import TransformerConfig
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def file_sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def atomic_write(path, write):
+    """Call ``write(fileobj)`` on a temporary file next to ``path``, then rename it over ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path, text):
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def save_checkpoint(path, model, optimizer=None, meta=None):
+    arrays = {f"model/{k}": v for k, v in model.state_dict().items()}
+    if optimizer is not None:
+        for k, v in optimizer.state_dict().items():
+            if isinstance(v, np.ndarray):
+                arrays[f"optim/{k}"] = v
+    meta = dict(meta or {})
+    meta["config"] = json.loads(model.cfg.to_json())
+    if optimizer is not None:
+        meta["optim"] = {"t": optimizer.t, "lr": optimizer.lr}
+    arrays["meta"] = np.array(json.dumps(meta))
+    atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def load_checkpoint(path):
+    """-> (params dict, optimizer arrays dict, meta dict). Clear errors for bad files."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exc}); it is not a "
+                              "minitransformer .npz checkpoint or it is damaged") from exc
+    if "meta" not in data:
+        raise CheckpointError(f"checkpoint {path} has no 'meta' entry: not a minitransformer "
+                              "checkpoint")
+    meta = json.loads(str(data.pop("meta")))
+    params = {k[6:]: v for k, v in data.items() if k.startswith("model/")}
+    optim = {k[6:]: v for k, v in data.items() if k.startswith("optim/")}
+    return params, optim, meta
+
+
+def check_compatible(path, meta, cfg, spm_sha=None):
+    """Raise CheckpointError when the checkpoint's config or vocabulary differs from ours."""
+    theirs = TransformerConfig.from_dict(meta["config"])
+    if theirs != cfg:
+        diff = {k: (getattr(theirs, k), getattr(cfg, k)) for k in vars(cfg)
+                if getattr(theirs, k) != getattr(cfg, k)}
+        raise CheckpointError(f"checkpoint {path} was trained with a different model config: "
+                              + ", ".join(f"{k}: checkpoint {a!r} vs requested {b!r}"
+                                          for k, (a, b) in diff.items()))
+    if spm_sha is not None and meta.get("spm_sha256") not in (None, spm_sha):
+        raise CheckpointError(f"checkpoint {path} was trained with a different sentencepiece "
+                              "vocabulary than the spm.model beside it; use the run directory "
+                              "it came from")
+
+
+def periodic_checkpoints(run_dir):
+    """Periodic checkpoints of a run, oldest first: [(update, path)]."""
+    found = []
+    for p in glob.glob(os.path.join(run_dir, "checkpoint_*.npz")):
+        m = re.fullmatch(r"checkpoint_(\d+)\.npz", os.path.basename(p))
+        if m:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def prune_checkpoints(run_dir, keep_last):
+    for _, p in periodic_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        os.unlink(p)
+
+
+def average_checkpoints(paths):
+    """Element-wise mean of the parameters of several checkpoints (§6.1) -> (params, meta)."""
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    total, meta0 = None, None
+    for p in paths:
+        params, _, meta = load_checkpoint(p)
+        if total is None:
+            total, meta0 = {k: v.astype(np.float64) for k, v in params.items()}, meta
+        else:
+            if meta["config"] != meta0["config"] or set(params) != set(total):
+                raise CheckpointError(f"cannot average {p} with {paths[0]}: different models")
+            for k, v in params.items():
+                total[k] += v
+    return {k: (v / len(paths)).astype(np.float32) for k, v in total.items()}, meta0

@@ -1,0 +1,156 @@
+"""Decoding (§6.1): greedy and batched beam search with cached keys and values.
+
+Both run the decoder incrementally: at step t only the newest token is fed; each decoder
+layer keeps its self-attention keys/values from earlier steps in a cache (B*, H, t, K), and the
+encoder-decoder attention keys/values are computed from the encoder output once.
+Sentences that finish leave the batch, so the remaining ones run on smaller arrays.
+
+Beam search keeps ``beam`` hypotheses per sentence, ranked by their summed log-probability;
+finished ones are ranked by the GNMT-normalised score  log P(Y|X) / lp(Y) with
+    lp(Y) = ((5 + |Y|) / 6) ** alpha              (Wu et al. 2016; the paper's alpha = 0.6)
+or |Y| ** alpha with ``length_penalty="power"``. A hypothesis ending in EOS is kept only when
+it ranks among the ``beam`` best candidates of its step (so beam 1 is exactly greedy); a
+sentence stops once it has ``beam`` finished hypotheses, or at the maximum length
+(source length + ``max_len_a``, 50 by default), where active hypotheses are finished as they are.
+"""
+import numpy as np
+
+from ..backend import to_numpy
+from ..engine.softmax import log_softmax
+from ..engine.tensor import Tensor, no_grad
+
+
+def _length_penalty(length, alpha, kind):
+    if kind == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    return float(length) ** alpha if length > 0 else 1.0
+
+
+def _forbid(scores, cfg):
+    """Padding and BOS are never generated: their scores become -inf, in place."""
+    scores[..., cfg.pad_id] = -np.inf
+    scores[..., cfg.bos_id] = -np.inf
+    return scores
+
+
+def _select(cache, index):
+    """Keep rows ``index`` (batch axis) of every cached key/value."""
+    for layer in cache:
+        for part in layer.values():
+            for key in ("k", "v"):
+                if key in part:
+                    part[key] = Tensor(part[key].data[index])
+
+
+def greedy_search(model, src, max_len_a=50):
+    """src ids (B, S) -> list of B token-id lists (EOS and padding stripped)."""
+    with no_grad():
+        model.eval()
+        xp = model.xp()
+        src = xp.asarray(src)
+        B = src.shape[0]
+        memory, src_mask = model.encode(src)
+        limit = to_numpy((src != model.cfg.pad_id).sum(axis=1)) + max_len_a
+        cache = model.new_cache()
+        alive = np.arange(B)  # original sentence of each batch row
+        out = [[] for _ in range(B)]
+        last = xp.full((B, 1), model.cfg.bos_id, dtype=src.dtype)
+        t = 0
+        while len(alive):
+            h = model.decode(last, memory, src_mask, cache=cache, offset=t)
+            logits = _forbid(model.logits(h).data[:, -1], model.cfg)  # (B*, V)
+            nxt = to_numpy(logits.argmax(axis=-1))
+            t += 1
+            keep = []
+            for row, (b, tok) in enumerate(zip(alive, nxt)):
+                if tok == model.cfg.eos_id:
+                    continue
+                out[b].append(int(tok))
+                if t < limit[b]:
+                    keep.append(row)
+            if len(keep) < len(alive):
+                idx = xp.asarray(np.array(keep, dtype=np.int64))
+                memory, src_mask = Tensor(memory.data[idx]), src_mask[idx]
+                _select(cache, idx)
+                alive, nxt = alive[keep], nxt[keep]
+            last = xp.asarray(nxt[:, None]).astype(src.dtype)
+        return out
+
+
+def beam_search(model, src, beam=4, alpha=0.6, max_len_a=50, length_penalty="gnmt",
+                return_all=False):
+    """src ids (B, S) -> list of B best token-id lists (EOS stripped).
+
+    With ``return_all`` each entry is instead the list of (score, tokens) of the finished
+    hypotheses, best first.
+    """
+    with no_grad():
+        model.eval()
+        xp = model.xp()
+        src = xp.asarray(src)
+        B, k = src.shape[0], beam
+        eos = model.cfg.eos_id
+        memory, src_mask = model.encode(src)
+        limit = to_numpy((src != model.cfg.pad_id).sum(axis=1)) + max_len_a
+        rep = xp.repeat(xp.arange(B), k)  # beams of sentence b are rows b*k .. b*k+k-1
+        memory, src_mask = Tensor(memory.data[rep]), src_mask[rep]
+        cache = model.new_cache()
+        alive = np.arange(B)  # original sentence of each active block of k rows
+        tokens = np.zeros((B, k, 0), dtype=np.int64)
+        scores = np.full((B, k), -np.inf)
+        scores[:, 0] = 0.0  # at the start only one hypothesis is live
+        finished = [[] for _ in range(B)]
+        last = xp.full((B * k, 1), model.cfg.bos_id, dtype=src.dtype)
+        t = 0
+        while len(alive):
+            h = model.decode(last, memory, src_mask, cache=cache, offset=t)
+            logp = to_numpy(log_softmax(model.logits(h)).data[:, -1]).astype(np.float64)
+            _forbid(logp, model.cfg)
+            n, V = len(alive), logp.shape[-1]
+            cand = (scores[:, :, None] + logp.reshape(n, k, V)).reshape(n, k * V)
+            m = min(2 * k, k * V)
+            top = np.argpartition(-cand, m - 1, axis=1)[:, :m]
+            top = np.take_along_axis(top, np.argsort(-np.take_along_axis(cand, top, 1),
+                                                     axis=1, kind="stable"), 1)
+            t += 1
+            new_tokens = np.zeros((n, k, t), dtype=np.int64)
+            new_scores = np.full((n, k), -np.inf)
+            src_rows = np.zeros((n, k), dtype=np.int64)
+            keep_blocks = []
+            for i in range(n):
+                b, filled = alive[i], 0
+                for rank, c in enumerate(top[i]):
+                    s = cand[i, c]
+                    if not np.isfinite(s):
+                        break
+                    prev, tok = divmod(int(c), V)
+                    if tok == eos:
+                        if rank < k:  # EOS counts only among the k best candidates
+                            lp = _length_penalty(t - 1, alpha, length_penalty)
+                            finished[b].append((s / lp, tokens[i, prev].tolist()))
+                        continue
+                    if filled < k:
+                        new_tokens[i, filled, :-1] = tokens[i, prev]
+                        new_tokens[i, filled, -1] = tok
+                        new_scores[i, filled], src_rows[i, filled] = s, i * k + prev
+                        filled += 1
+                if t >= limit[b]:  # maximum length: finish the live hypotheses as they are
+                    lp = _length_penalty(t, alpha, length_penalty)
+                    finished[b].extend((new_scores[i, j] / lp, new_tokens[i, j].tolist())
+                                       for j in range(filled))
+                elif len(finished[b]) < k and filled:
+                    keep_blocks.append(i)
+            if not keep_blocks:
+                break
+            kb = np.array(keep_blocks)
+            if len(kb) < n:
+                block_rows = xp.asarray((kb[:, None] * k + np.arange(k)).reshape(-1))
+                memory, src_mask = Tensor(memory.data[block_rows]), src_mask[block_rows]
+            _select(cache, xp.asarray(src_rows[kb].reshape(-1)))
+            alive, tokens, scores = alive[kb], new_tokens[kb], new_scores[kb]
+            last = xp.asarray(tokens[:, :, -1].reshape(-1, 1)).astype(src.dtype)
+        results = []
+        for hyps in finished:
+            hyps = sorted(hyps, key=lambda x: -x[0])
+            results.append(hyps if return_all else (hyps[0][1] if hyps else []))
+        return results

@@ -1,0 +1,494 @@
+"""train.py: train a Transformer on parallel text, the paper's recipe (§5), from the command line.
+
+    python train.py                                   # synthetic corpus, tiny model, then BLEU
+    python train.py --data DIR --src-lang en --tgt-lang de --preset base --run-dir runs/ende
+    python train.py --config recipe.toml              # the same flags from a JSON/TOML file
+    python train.py --run-dir runs/ende --resume      # continue exactly where a run stopped
+
+Files are DIR/{train,valid,test}.{src-lang,tgt-lang} (split names set by --train-split etc.).
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from .. import backend
+from ..engine.tensor import no_grad
+from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
+from ..optim import Adam, clip_grad_norm, noam_lr
+from . import checkpoint as ckpt
+from .data import Batches, DataError, collate, read_parallel
+from .tokenizer import Tokenizer, train_sentencepiece
+from .translation import corpus_bleu, translate_lines
+
+MODEL_FLAGS = ["d_model", "n_heads", "d_ff", "n_layers", "dropout", "attention_dropout",
+               "relu_dropout", "label_smoothing", "smoothing", "norm", "positions",
+               "sinusoid_layout", "max_positions", "share_embeddings"]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="train.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--config", help="JSON or TOML file of options (keys as flag names, '-' or '_'); "
+                       "flags on the command line win")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", help="directory with {split}.{lang} files; without it a synthetic "
+                                  "corpus is generated in RUN_DIR/data")
+    g.add_argument("--src-lang", default=None, help="source file suffix (default: src)")
+    g.add_argument("--tgt-lang", default=None, help="target file suffix (default: tgt)")
+    g.add_argument("--train-split", default="train")
+    g.add_argument("--valid-split", default="valid")
+    g.add_argument("--test-split", default="test", help="scored with beam search at the end "
+                                                        "if its files exist ('' to skip)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="joint sentencepiece vocabulary (default 8000; 256 for the synthetic corpus)")
+    g.add_argument("--spm-type", default="unigram", choices=["unigram", "bpe", "char", "word"])
+    g.add_argument("--max-tokens", type=int, default=4096,
+                   help="padded source (and target) tokens per batch")
+    g.add_argument("--max-len", type=int, default=256,
+                   help="drop training pairs longer than this many tokens (counted in the log)")
+    g.add_argument("--synthetic-pairs", type=int, default=20000,
+                   help="training pairs of the generated corpus (no --data)")
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in MODEL_FLAGS:
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in (bool, "bool"):
+                g.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction)
+            else:
+                typ = {"int": int, "float": float, "str": str}.get(str(f.type), f.type)
+                g.add_argument(flag, dest=f.name, type=typ, default=None,
+                               help=f"overrides the preset (paper default {f.default})")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr-factor", type=float, default=1.0,
+                   help="multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
+    g.add_argument("--warmup", type=int, default=4000)
+    g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.98])
+    g.add_argument("--adam-eps", type=float, default=1e-9)
+    g.add_argument("--clip-norm", type=float, default=0.0, help="0 = no clipping")
+    g.add_argument("--update-freq", type=int, default=1,
+                   help="accumulate gradients over this many batches per update")
+    g.add_argument("--max-updates", type=int, default=0, help="0 = no limit")
+    g.add_argument("--max-epochs", type=int, default=0, help="0 = no limit")
+    g.add_argument("--max-time", type=float, default=0.0, help="minutes of training; 0 = no limit")
+    g.add_argument("--seed", type=int, default=1)
+    g = p.add_argument_group("validation, checkpoints, logging")
+    g.add_argument("--run-dir", default="runs/default")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from RUN_DIR/checkpoint_last.npz exactly where it stopped")
+    g.add_argument("--valid-every", type=int, default=500, help="validate every K updates")
+    g.add_argument("--valid-bleu-sentences", type=int, default=500,
+                   help="validation BLEU on the first N sentences (greedy); 0 = all")
+    g.add_argument("--save-every", type=int, default=0,
+                   help="periodic checkpoint every K updates (default: at each validation)")
+    g.add_argument("--keep-last", type=int, default=5, help="periodic checkpoints kept")
+    g.add_argument("--log-every", type=int, default=50)
+    g.add_argument("--no-progress", action="store_true", help="plain log lines, no tqdm bar")
+    g.add_argument("--beam", type=int, default=4, help="beam size for the final test score")
+    g.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty")
+    g.add_argument("--average-last", type=int, default=0,
+                   help="score the test split with the average of the last N periodic checkpoints")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: $MINITRANSFORMER_DEVICE "
+                                                   "or cpu)")
+    return p
+
+
+def load_config_file(path):
+    """Options from a .json or .toml file -> dict with '_' keys."""
+    if not os.path.exists(path):
+        raise SystemExit(f"error: --config {path}: file not found")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+            d = tomllib.loads(raw.decode("utf-8"))
+        else:
+            d = json.loads(raw.decode("utf-8"))
+    except Exception as exc:
+        raise SystemExit(f"error: --config {path}: cannot parse ({exc})")
+    return {k.replace("-", "_"): v for k, v in d.items()}
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        options = load_config_file(args.config)
+        known = {a.dest for a in parser._actions}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise SystemExit(f"error: --config {args.config}: unknown options {unknown}")
+        parser.set_defaults(**options)
+        args = parser.parse_args(argv)
+    args.explicit = {a.dest for a in parser._actions
+                     if any(s in (argv if argv is not None else sys.argv[1:])
+                            for s in a.option_strings)}
+    return args
+
+
+class Log:
+    """tqdm bar on a terminal, plain lines otherwise; JSONL metrics in the run directory."""
+
+    def __init__(self, path, total, progress, enabled=True):
+        self.enabled = enabled
+        self.file = open(path, "a", encoding="utf-8") if enabled else None
+        self.bar = None
+        if enabled and progress and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total or None, unit="upd", dynamic_ncols=True)
+
+    def metrics(self, record):
+        if self.enabled:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def info(self, text):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def progress(self, n, postfix):
+        if self.bar is not None:
+            self.bar.n = n
+            self.bar.set_postfix_str(postfix, refresh=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+
+
+class Trainer:
+    def __init__(self, args, comm=None):
+        self.args, self.comm = args, comm
+        self.rank = comm.rank if comm else 0
+        self.world = comm.size if comm else 1
+        self.main = self.rank == 0
+        device = args.device or backend.default_device()
+        if comm is not None:
+            device = comm.device
+        self.device = device
+        self.run_dir = args.run_dir
+        os.makedirs(self.run_dir, exist_ok=True)
+        resume_path = os.path.join(self.run_dir, "checkpoint_last.npz")
+        cfg_path = os.path.join(self.run_dir, "config.json")
+        if args.resume:
+            if not os.path.exists(resume_path) or not os.path.exists(cfg_path):
+                raise SystemExit(f"error: --resume: no checkpoint_last.npz and config.json in "
+                                 f"--run-dir {self.run_dir}; start without --resume")
+            saved = json.load(open(cfg_path))
+            self._check_resume_flags(saved)
+        elif os.path.exists(resume_path):
+            raise SystemExit(f"error: --run-dir {self.run_dir} already holds a run "
+                             "(checkpoint_last.npz); pass --resume to continue it or choose "
+                             "another --run-dir (nothing was overwritten)")
+        self._prepare_data()
+        self.cfg = self._model_config()
+        if self.main and not args.resume:
+            ckpt.atomic_write_text(cfg_path, json.dumps(
+                {"model": dataclasses.asdict(self.cfg), "train": self._train_options()},
+                indent=2, sort_keys=True))
+        self.model = Transformer(self.cfg, seed=args.seed, device=device)
+        self.params = self.model.parameters()
+        self.optim = Adam(self.params, lr=0.0, betas=tuple(args.adam_betas), eps=args.adam_eps)
+        self.update, self.best_bleu, self.epoch_tokens = 0, -1.0, 0
+        self.train_time = 0.0
+        if args.resume:
+            self._load(resume_path)
+
+    # ---- set-up --------------------------------------------------------------------------
+    def _check_resume_flags(self, saved):
+        for name in MODEL_FLAGS + ["preset", "vocab_size", "data", "src_lang", "tgt_lang", "seed"]:
+            if name in self.args.explicit:
+                old = saved["train"].get(name, saved["model"].get(name))
+                if old != getattr(self.args, name):
+                    raise SystemExit(f"error: --{name.replace('_', '-')} "
+                                     f"{getattr(self.args, name)!r} differs from the run being "
+                                     f"resumed ({old!r} in {self.run_dir}/config.json); drop the "
+                                     "flag or start a new --run-dir")
+        for name in ("preset", "vocab_size", "data", "src_lang", "tgt_lang", "seed", "spm_type",
+                     "synthetic_pairs", "max_len", "max_tokens", "train_split"):
+            if name in saved["train"]:
+                setattr(self.args, name, saved["train"][name])
+
+    def _train_options(self):
+        keep = ("preset", "data", "src_lang", "tgt_lang", "train_split", "valid_split",
+                "test_split", "vocab_size", "spm_type", "max_tokens", "max_len", "seed",
+                "lr_factor", "warmup", "update_freq", "clip_norm", "synthetic_pairs")
+        return {k: getattr(self.args, k) for k in keep}
+
+    def _prepare_data(self):
+        a = self.args
+        if a.data is None:
+            from .synthetic import write_corpus
+            a.src_lang, a.tgt_lang = a.src_lang or "src", a.tgt_lang or "tgt"
+            data_dir = os.path.join(self.run_dir, "data")
+            if self.main and not os.path.exists(os.path.join(data_dir, "train.src")):
+                os.makedirs(data_dir, exist_ok=True)
+                write_corpus(data_dir, seed=1234, n_train=a.synthetic_pairs)
+            if self.comm:
+                self.comm.barrier()
+            self.data_dir = data_dir
+            if a.vocab_size is None:
+                a.vocab_size = 256
+        else:
+            if not os.path.isdir(a.data):
+                raise DataError(f"--data {a.data}: no such directory")
+            if not (a.src_lang and a.tgt_lang):
+                raise DataError("--data needs --src-lang and --tgt-lang (the file suffixes, "
+                                "e.g. en and de for train.en / train.de)")
+            self.data_dir = a.data
+            if a.vocab_size is None:
+                a.vocab_size = 8000
+        self.files = {}
+        for split in (a.train_split, a.valid_split, a.test_split):
+            if split:
+                self.files[split] = tuple(os.path.join(self.data_dir, f"{split}.{lang}")
+                                          for lang in (a.src_lang, a.tgt_lang))
+        src, tgt, stats = read_parallel(*self.files[a.train_split])
+        self.spm_path = os.path.join(self.run_dir, "spm.model")
+        if self.main and not os.path.exists(self.spm_path):
+            self._log_early(f"training a joint sentencepiece model, vocabulary {a.vocab_size}")
+            train_sentencepiece(list(self.files[a.train_split]),
+                                os.path.join(self.run_dir, "spm"), a.vocab_size,
+                                model_type=a.spm_type)
+        if self.comm:
+            self.comm.barrier()
+        self.tok = Tokenizer(self.spm_path)
+        self.spm_sha = ckpt.file_sha256(self.spm_path)
+        self.batches = Batches(self.tok.encode(src), self.tok.encode(tgt), a.max_tokens,
+                               a.max_len, seed=a.seed)
+        self._log_early(f"train: {stats['pairs']} pairs from {self.files[a.train_split][0]}, "
+                        f"{stats['skipped_empty']} empty skipped, {self.batches.dropped} longer "
+                        f"than --max-len {a.max_len} dropped, {len(self.batches)} batches/epoch")
+        self.valid = None
+        if a.valid_split in self.files and os.path.exists(self.files[a.valid_split][0]):
+            vs, vt, _ = read_parallel(*self.files[a.valid_split])
+            self.valid = (vs, vt)
+            self.valid_batches = Batches(self.tok.encode(vs), self.tok.encode(vt), a.max_tokens,
+                                         max_len=10 ** 9, seed=0, shuffle=False)
+
+    def _log_early(self, text):
+        if self.main:
+            print(text, flush=True)
+
+    def _model_config(self):
+        a = self.args
+        if a.resume:
+            saved = json.load(open(os.path.join(self.run_dir, "config.json")))
+            return TransformerConfig.from_dict(saved["model"])
+        fields = dict(PRESETS[a.preset])
+        fields.update({k: getattr(a, k) for k in MODEL_FLAGS if getattr(a, k) is not None})
+        tok = self.tok
+        return TransformerConfig(vocab_size=tok.vocab_size, pad_id=tok.pad_id, bos_id=tok.bos_id,
+                                 eos_id=tok.eos_id, **fields)
+
+    # ---- state ---------------------------------------------------------------------------
+    def _meta(self):
+        return {"update": self.update, "best_bleu": self.best_bleu, "data": self.batches.state_dict(),
+                "rng": self.model.rng.get_state(), "spm_sha256": self.spm_sha,
+                "train_time": self.train_time}
+
+    def save(self, name):
+        if not self.main:
+            return
+        path = os.path.join(self.run_dir, name)
+        ckpt.save_checkpoint(path, self.model, self.optim, self._meta())
+        return path
+
+    def _load(self, path):
+        params, optim, meta = ckpt.load_checkpoint(path)
+        ckpt.check_compatible(path, meta, self.cfg, self.spm_sha)
+        self.model.load_state_dict(params)
+        self.optim.load_state_dict({**optim, **meta["optim"]})
+        self.update, self.best_bleu = meta["update"], meta["best_bleu"]
+        self.train_time = meta.get("train_time", 0.0)
+        self.batches.load_state_dict(meta["data"])
+        self.model.rng.set_state(meta["rng"])
+
+    # ---- training ------------------------------------------------------------------------
+    def train_update(self):
+        """One update: update_freq batches, gradients summed, then divided by the number of
+        target tokens (over all ranks), clipped, and one Adam step. -> (loss_sum, tokens)."""
+        self.model.train()
+        loss_sum, n_tok = 0.0, 0
+        for _ in range(self.args.update_freq):
+            batch = next(self.batch_iter)
+            if self.comm:
+                batch = self.comm.shard(batch)
+            if not batch:
+                continue
+            b = collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id)
+            loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
+            loss.backward()
+            loss_sum, n_tok = loss_sum + float(loss.data), n_tok + n
+        if self.comm:
+            loss_sum, n_tok = self.comm.allreduce_grads(self.params, loss_sum, n_tok)
+        scale = 1.0 / max(n_tok, 1)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad *= p.dtype.type(scale)
+        if self.args.clip_norm > 0:
+            clip_grad_norm(self.params, self.args.clip_norm)
+        self.update += 1
+        self.optim.lr = noam_lr(self.update, self.cfg.d_model, self.args.warmup,
+                                self.args.lr_factor)
+        self.optim.step()
+        self.optim.zero_grad()
+        return loss_sum, n_tok
+
+    def validate(self):
+        """Validation loss per token (no dropout) and greedy BLEU on the first N sentences."""
+        loss_sum, n_tok = 0.0, 0
+        with no_grad():
+            self.model.eval()
+            for batch in self.valid_batches.epoch_batches(0):
+                b = collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id)
+                loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
+                loss_sum, n_tok = loss_sum + float(loss.data), n_tok + n
+        vs, vt = self.valid
+        n = self.args.valid_bleu_sentences or len(vs)
+        hyps = translate_lines(self.model, self.tok, vs[:n], beam=1, max_tokens=self.args.max_tokens)
+        bleu, _ = corpus_bleu(hyps, vt[:n])
+        return loss_sum / max(n_tok, 1), bleu
+
+    def run(self):
+        a = self.args
+        stop = {"signal": None}
+
+        def on_signal(signum, frame):
+            stop["signal"] = signum
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        log = Log(os.path.join(self.run_dir, "metrics.jsonl"), a.max_updates,
+                  not a.no_progress, enabled=self.main)
+        log.info(f"model: {count_parameters(self.model):,} parameters, config "
+                 f"{json.dumps(dataclasses.asdict(self.cfg))}")
+        self.batch_iter = iter(self.batches)
+        window_loss, window_tok, window_t = 0.0, 0, time.perf_counter()
+        start = time.perf_counter() - self.train_time
+        reason = "done"
+        try:
+            while True:
+                if a.max_updates and self.update >= a.max_updates:
+                    reason = f"reached --max-updates {a.max_updates}"
+                    break
+                if a.max_epochs and self.batches.state_dict()["epoch"] >= a.max_epochs:
+                    reason = f"reached --max-epochs {a.max_epochs}"
+                    break
+                if a.max_time and time.perf_counter() - start >= a.max_time * 60:
+                    reason = f"reached --max-time {a.max_time} min"
+                    break
+                loss_sum, n_tok = self.train_update()
+                self.train_time = time.perf_counter() - start
+                window_loss += loss_sum
+                window_tok += n_tok
+                if stop["signal"] is not None:
+                    break
+                if self.update % a.log_every == 0 or self.update == 1:
+                    now = time.perf_counter()
+                    loss = window_loss / max(window_tok, 1)
+                    rec = {"update": self.update, "epoch": self.batches.state_dict()["epoch"],
+                           "loss": loss, "ppl": math.exp(min(loss, 50)), "lr": self.optim.lr,
+                           "tokens_per_s": window_tok / max(now - window_t, 1e-9),
+                           "time": self.train_time}
+                    log.metrics(rec)
+                    text = (f"loss {loss:.3f} ppl {rec['ppl']:.1f} lr {rec['lr']:.2e} "
+                            f"tok/s {rec['tokens_per_s']:.0f}")
+                    if log.bar is not None:
+                        log.progress(self.update, text)
+                    else:
+                        log.info(f"update {self.update} epoch {rec['epoch']} {text}")
+                    window_loss, window_tok, window_t = 0.0, 0, time.perf_counter()
+                if self.valid is not None and self.update % a.valid_every == 0:
+                    self._validate_and_save(log)
+                elif a.save_every and self.update % a.save_every == 0:
+                    self.save(f"checkpoint_{self.update}.npz")
+                    self.save("checkpoint_last.npz")
+                    ckpt.prune_checkpoints(self.run_dir, a.keep_last)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        if stop["signal"] is not None:
+            self.save("checkpoint_last.npz")
+            name = signal.Signals(stop["signal"]).name
+            log.info(f"{name}: stopped at update {self.update}; saved "
+                     f"{self.run_dir}/checkpoint_last.npz; continue with --resume")
+            log.close()
+            return False
+        if self.valid is not None and self.update % a.valid_every != 0:
+            self._validate_and_save(log)
+        else:
+            self.save("checkpoint_last.npz")
+        log.info(f"training finished ({reason}) after {self.update} updates, "
+                 f"{self.train_time:.0f} s")
+        log.close()
+        return True
+
+    def _validate_and_save(self, log):
+        loss, bleu = self.validate() if self.main else (0.0, 0.0)
+        rec = {"update": self.update, "valid_loss": loss, "valid_ppl": math.exp(min(loss, 50)),
+               "valid_bleu": bleu, "time": self.train_time}
+        log.metrics(rec)
+        log.info(f"valid update {self.update}: loss {loss:.3f} ppl {rec['valid_ppl']:.2f} "
+                 f"BLEU {bleu:.2f}")
+        if self.main:
+            self.save(f"checkpoint_{self.update}.npz")
+            self.save("checkpoint_last.npz")
+            ckpt.prune_checkpoints(self.run_dir, self.args.keep_last)
+            if bleu > self.best_bleu:
+                self.best_bleu = bleu
+                self.save("checkpoint_best.npz")
+                self.save("checkpoint_last.npz")  # carries the new best_bleu
+
+    def test(self):
+        """Score the test split with beam search: the best checkpoint, or an average."""
+        a = self.args
+        split = a.test_split
+        if not split or split not in self.files or not os.path.exists(self.files[split][0]):
+            return None
+        src, ref, _ = read_parallel(*self.files[split])
+        if a.average_last:
+            paths = [p for _, p in ckpt.periodic_checkpoints(self.run_dir)][-a.average_last:]
+            params, _ = ckpt.average_checkpoints(paths)
+            what = f"average of {len(paths)} checkpoints"
+        else:
+            best = os.path.join(self.run_dir, "checkpoint_best.npz")
+            path = best if os.path.exists(best) else os.path.join(self.run_dir, "checkpoint_last.npz")
+            params = ckpt.load_checkpoint(path)[0]
+            what = os.path.basename(path)
+        self.model.load_state_dict(params)
+        t0 = time.perf_counter()
+        hyps = translate_lines(self.model, self.tok, src, beam=a.beam, alpha=a.alpha,
+                               max_tokens=a.max_tokens)
+        bleu, sig = corpus_bleu(hyps, ref)
+        out = os.path.join(self.run_dir, f"{split}.hyp")
+        ckpt.atomic_write_text(out, "".join(h + "\n" for h in hyps))
+        print(f"test ({split}, {len(src)} sentences, {what}, beam {a.beam}, "
+              f"{time.perf_counter() - t0:.1f} s): BLEU = {bleu:.2f}  {sig}", flush=True)
+        return bleu
+
+
+def main(argv=None, comm=None):
+    args = parse_args(argv)
+    try:
+        trainer = Trainer(args, comm)
+        finished = trainer.run()
+        if finished and trainer.main:
+            trainer.test()
+    except (DataError, ckpt.CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

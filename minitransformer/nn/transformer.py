@@ -1,0 +1,328 @@
+"""The paper's Transformer (§3): encoder-decoder, multi-head attention, shared embeddings.
+
+Shapes: B batch, S source length, T target length, D d_model, H heads, K = D / H, F d_ff,
+V vocabulary. Token ids are integer arrays; the padding id marks positions to ignore.
+
+Every sub-layer is wrapped as the paper does (post-norm):
+    x = LayerNorm(x + Dropout(Sublayer(x)))
+or, with ``norm="pre"`` (a later variant), x = x + Dropout(Sublayer(LayerNorm(x))) and one
+final LayerNorm on each stack.
+"""
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from .. import backend
+from ..engine import ops
+from ..engine.attention import scaled_dot_product_attention
+from ..engine.cross_entropy import softmax_cross_entropy
+from ..engine.tensor import Tensor, no_grad
+from .module import Dropout, LayerNorm, Linear, Module, parameter
+
+
+@dataclasses.dataclass
+class TransformerConfig:
+    """Every hyperparameter of the model; saved as config.json with each checkpoint.
+
+    The defaults are the paper's base model (Table 3). Switches for the places where
+    public implementations differ from the paper are documented on each field.
+    """
+    vocab_size: int = 8000          # V: joint source/target vocabulary (sentencepiece)
+    d_model: int = 512              # D
+    n_heads: int = 8                # H (d_k = d_v = D / H)
+    d_ff: int = 2048                # F: inner size of the position-wise feed-forward net
+    n_layers: int = 6               # N: layers in the encoder and in the decoder
+    dropout: float = 0.1            # P_drop: sub-layer outputs and embedding+position sums
+    attention_dropout: float = 0.0  # on attention probabilities (not in the paper)
+    relu_dropout: float = 0.0       # inside the feed-forward net (not in the paper)
+    label_smoothing: float = 0.1    # epsilon_ls
+    smoothing: str = "others"       # 'others': eps/(V-1) on non-targets; 'uniform': eps/V
+    norm: str = "post"              # 'post' (paper) or 'pre'
+    positions: str = "sinusoidal"   # 'sinusoidal' (paper) or 'learned'
+    sinusoid_layout: str = "interleaved"  # 'interleaved' sin/cos (paper) or 'concat' [sin, cos]
+    max_positions: int = 1024       # longest sequence the position table covers
+    share_embeddings: bool = True   # one matrix: source emb, target emb, pre-softmax (§3.4)
+    ln_eps: float = 1e-5
+    pad_id: int = 0
+    bos_id: int = 2
+    eos_id: int = 3
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
+                             f"({self.n_heads})")
+        for field, allowed in (("norm", ("post", "pre")), ("positions", ("sinusoidal", "learned")),
+                               ("sinusoid_layout", ("interleaved", "concat")),
+                               ("smoothing", ("others", "uniform"))):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
+
+    def to_json(self):
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config fields {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+PRESETS = {
+    # tests and the default run: small enough to train in minutes on a laptop CPU
+    "tiny": dict(d_model=128, n_heads=4, d_ff=512, n_layers=2, dropout=0.1),
+    # the paper's base and big models (Table 3)
+    "base": dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6, dropout=0.1),
+    "big": dict(d_model=1024, n_heads=16, d_ff=4096, n_layers=6, dropout=0.3),
+}
+
+
+def preset(name, **overrides):
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return TransformerConfig(**{**PRESETS[name], **overrides})
+
+
+def sinusoids(n_positions, d_model, layout="interleaved", dtype=np.float32):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(pos / 10000^(2i/D)) (§3.5).
+
+    'concat' puts all sines first, then all cosines (a common variant).
+    """
+    pos = np.arange(n_positions, dtype=np.float64)[:, None]
+    inv = 10000.0 ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)
+    angles = pos * inv  # (P, D/2)
+    pe = np.zeros((n_positions, d_model))
+    if layout == "interleaved":
+        pe[:, 0::2], pe[:, 1::2] = np.sin(angles), np.cos(angles[:, : d_model // 2])
+    else:
+        half = angles.shape[1]
+        pe[:, :half], pe[:, half:] = np.sin(angles), np.cos(angles[:, : d_model - half])
+    return pe.astype(dtype)
+
+
+class MultiHeadAttention(Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_H) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+    The H projections of each kind are one (D, D) matrix; heads are its K-column blocks.
+    query (B, T, D), memory (B, S, D) -> (B, T, D).
+    """
+
+    def __init__(self, cfg, rng, init, dtype, device):
+        D = cfg.d_model
+        self.n_heads, self.cfg, self.rng = cfg.n_heads, cfg, rng
+        self.wq, self.wk, self.wv, self.wo = (Linear(D, D, rng=init, dtype=dtype, device=device)
+                                              for _ in range(4))
+        self.store = None  # set to a list to record attention maps (B, H, T, S)
+
+    def forward(self, query, memory, key_mask, causal, cache=None, static_kv=False):
+        """cache: dict for incremental decoding; static_kv: memory's keys/values never change
+        (encoder-decoder attention), so they are computed once and kept in the cache."""
+        H = self.n_heads
+        q = ops.split_heads(self.wq(query), H)  # (B, H, T, K)
+        if cache is not None and static_kv and "k" in cache:
+            k, v = cache["k"], cache["v"]
+        else:
+            k = ops.split_heads(self.wk(memory), H)  # (B, H, S, K)
+            v = ops.split_heads(self.wv(memory), H)
+            if cache is not None:
+                if not static_kv and "k" in cache:  # self-attention: append this step's keys
+                    xp = k.xp
+                    k = Tensor(xp.concatenate([cache["k"].data, k.data], axis=2))
+                    v = Tensor(xp.concatenate([cache["v"].data, v.data], axis=2))
+                cache["k"], cache["v"] = k, v
+        out = scaled_dot_product_attention(q, k, v, key_mask=key_mask, causal=causal,
+                                           dropout=self.cfg.attention_dropout, rng=self.rng,
+                                           training=self.training, store=self.store)
+        return self.wo(ops.merge_heads(out, H))
+
+
+class FeedForward(Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  (§3.3): (B, T, D) -> (B, T, F) -> (B, T, D)."""
+
+    def __init__(self, cfg, rng, init, dtype, device):
+        self.w1 = Linear(cfg.d_model, cfg.d_ff, rng=init, dtype=dtype, device=device)
+        self.w2 = Linear(cfg.d_ff, cfg.d_model, rng=init, dtype=dtype, device=device)
+        self.drop = Dropout(cfg.relu_dropout, rng)
+
+    def forward(self, x):
+        return self.w2(self.drop(ops.relu(self.w1(x))))
+
+
+class SublayerConnection(Module):
+    """post: LayerNorm(x + Dropout(f(x)));  pre: x + Dropout(f(LayerNorm(x)))."""
+
+    def __init__(self, cfg, rng, dtype, device):
+        self.norm = LayerNorm(cfg.d_model, cfg.ln_eps, dtype=dtype, device=device)
+        self.drop = Dropout(cfg.dropout, rng)
+        self.pre = cfg.norm == "pre"
+
+    def forward(self, x, f):
+        if self.pre:
+            return x + self.drop(f(self.norm(x)))
+        return self.norm(x + self.drop(f(x)))
+
+
+class EncoderLayer(Module):
+    def __init__(self, cfg, rng, init, dtype, device):
+        self.self_attn = MultiHeadAttention(cfg, rng, init, dtype, device)
+        self.ff = FeedForward(cfg, rng, init, dtype, device)
+        self.sub1 = SublayerConnection(cfg, rng, dtype, device)
+        self.sub2 = SublayerConnection(cfg, rng, dtype, device)
+
+    def forward(self, x, src_mask):
+        x = self.sub1(x, lambda h: self.self_attn(h, h, src_mask, causal=False))
+        return self.sub2(x, self.ff)
+
+
+class DecoderLayer(Module):
+    def __init__(self, cfg, rng, init, dtype, device):
+        self.self_attn = MultiHeadAttention(cfg, rng, init, dtype, device)
+        self.cross_attn = MultiHeadAttention(cfg, rng, init, dtype, device)
+        self.ff = FeedForward(cfg, rng, init, dtype, device)
+        self.sub1 = SublayerConnection(cfg, rng, dtype, device)
+        self.sub2 = SublayerConnection(cfg, rng, dtype, device)
+        self.sub3 = SublayerConnection(cfg, rng, dtype, device)
+
+    def forward(self, y, memory, src_mask, cache=None):
+        c_self = c_cross = None
+        if cache is not None:
+            c_self, c_cross = cache.setdefault("self", {}), cache.setdefault("cross", {})
+        y = self.sub1(y, lambda h: self.self_attn(h, h, None, causal=True, cache=c_self))
+        y = self.sub2(y, lambda h: self.cross_attn(h, memory, src_mask, causal=False,
+                                                   cache=c_cross, static_kv=True))
+        return self.sub3(y, self.ff)
+
+
+class Transformer(Module):
+    """Encoder-decoder Transformer.
+
+    Parameters (names as in checkpoints; W matrices are (in, out), applied as x W):
+      embedding (V, D)                  shared source/target embedding, also the pre-softmax
+                                        weight (logits = h embedding^T) when share_embeddings
+      src_embedding, tgt_embedding (V, D), out_proj.weight (D, V)   when not shared
+      positions (max_positions, D)      only with positions='learned'
+      encoder.{i}.self_attn.{wq,wk,wv,wo}.{weight (D, D), bias (D,)}
+      encoder.{i}.ff.w1.{weight (D, F), bias (F,)}, encoder.{i}.ff.w2.{weight (F, D), bias (D,)}
+      encoder.{i}.sub{1,2}.norm.{gamma, beta} (D,)
+      decoder.{i}.{self_attn, cross_attn, ff, sub1, sub2, sub3}...   likewise
+      enc_norm, dec_norm .{gamma, beta}  only with norm='pre'
+    """
+
+    def __init__(self, cfg, seed=0, device="cpu", dtype=np.float32):
+        self.cfg, self.device, self.dtype = cfg, device, np.dtype(dtype)
+        xp = backend.get_xp(device)
+        init = np.random.default_rng(seed)  # parameter initialisation (host, then copied)
+        self.rng = backend.Generator(seed + 1, device)  # dropout masks
+        D, V = cfg.d_model, cfg.vocab_size
+
+        def emb():
+            # N(0, D^-0.5): after the sqrt(D) scaling the embeddings have unit scale
+            return parameter(xp.asarray(init.normal(0, D ** -0.5, (V, D)), dtype=dtype))
+
+        if cfg.share_embeddings:
+            self.embedding = emb()
+        else:
+            self.src_embedding, self.tgt_embedding = emb(), emb()
+            self.out_proj = Linear(D, V, bias=False, rng=init, dtype=dtype, device=device)
+        if cfg.positions == "learned":
+            self.positions = parameter(xp.asarray(init.normal(0, D ** -0.5, (cfg.max_positions, D)),
+                                                  dtype=dtype))
+        else:
+            self.pe = xp.asarray(sinusoids(cfg.max_positions, D, cfg.sinusoid_layout, dtype))
+        self.encoder = [EncoderLayer(cfg, self.rng, init, dtype, device) for _ in range(cfg.n_layers)]
+        self.decoder = [DecoderLayer(cfg, self.rng, init, dtype, device) for _ in range(cfg.n_layers)]
+        if cfg.norm == "pre":
+            self.enc_norm = LayerNorm(D, cfg.ln_eps, dtype=dtype, device=device)
+            self.dec_norm = LayerNorm(D, cfg.ln_eps, dtype=dtype, device=device)
+        self.emb_drop = Dropout(cfg.dropout, self.rng)
+
+    # ---- pieces ------------------------------------------------------------------------
+    def _table(self, side):
+        if self.cfg.share_embeddings:
+            return self.embedding
+        return self.src_embedding if side == "src" else self.tgt_embedding
+
+    def embed(self, ids, side, offset=0):
+        """Dropout(Embedding(ids) * sqrt(D) + PE[offset : offset + L]):  (B, L) -> (B, L, D)."""
+        L = ids.shape[1]
+        if offset + L > self.cfg.max_positions:
+            raise ValueError(f"sequence of length {offset + L} exceeds max_positions "
+                             f"({self.cfg.max_positions}); raise --max-positions or shorten input")
+        x = ops.embedding(ids, self._table(side), padding_idx=self.cfg.pad_id)
+        x = x * math.sqrt(self.cfg.d_model)
+        if self.cfg.positions == "learned":
+            pos = ops.embedding(self.xp().arange(offset, offset + L)[None, :], self.positions)
+            x = x + pos
+        else:
+            x = x + Tensor(self.pe[offset:offset + L])
+        return self.emb_drop(x)
+
+    def xp(self):
+        return backend.get_xp(self.device)
+
+    def ids(self, x):
+        """Token ids (a list, NumPy/CuPy array or Tensor) as an integer array on our device."""
+        return self.xp().asarray(x.data if isinstance(x, Tensor) else x)
+
+    def encode(self, src):
+        """src ids (B, S) -> memory (B, S, D), src_mask bool (B, S) (True = real token)."""
+        src = self.ids(src)
+        src_mask = src != self.cfg.pad_id
+        x = self.embed(src, "src")
+        for layer in self.encoder:
+            x = layer(x, src_mask)
+        if self.cfg.norm == "pre":
+            x = self.enc_norm(x)
+        return x, src_mask
+
+    def decode(self, tgt_in, memory, src_mask, cache=None, offset=0):
+        """tgt_in ids (B, T) -> decoder output (B, T, D). With ``cache`` (a list with one dict
+        per layer), only the new positions are fed; ``offset`` is the first one's position."""
+        y = self.embed(self.ids(tgt_in), "tgt", offset)
+        for i, layer in enumerate(self.decoder):
+            y = layer(y, memory, src_mask, None if cache is None else cache[i])
+        if self.cfg.norm == "pre":
+            y = self.dec_norm(y)
+        return y
+
+    def logits(self, h):
+        """Pre-softmax projection (§3.4): h (B, T, D) -> (B, T, V)."""
+        if self.cfg.share_embeddings:
+            return ops.linear(h, ops.transpose(self.embedding))
+        return self.out_proj(h)
+
+    def forward(self, src, tgt_in):
+        memory, src_mask = self.encode(src)
+        return self.logits(self.decode(tgt_in, memory, src_mask))
+
+    def loss(self, src, tgt_in, tgt_out):
+        """Summed label-smoothed cross-entropy over non-padding targets, and their count."""
+        logits = self(src, tgt_in)
+        return softmax_cross_entropy(logits, self.ids(tgt_out), self.cfg.label_smoothing,
+                                     pad_idx=self.cfg.pad_id, smoothing=self.cfg.smoothing)
+
+    def new_cache(self):
+        return [{} for _ in self.decoder]
+
+    def set_attention_store(self, store):
+        """store: dict to fill with lists of attention maps, or None to stop recording."""
+        for name, stack, kinds in (("encoder", self.encoder, ("self_attn",)),
+                                   ("decoder", self.decoder, ("self_attn", "cross_attn"))):
+            for i, layer in enumerate(stack):
+                for kind in kinds:
+                    mha = getattr(layer, kind)
+                    if store is None:
+                        mha.store = None
+                    else:
+                        mha.store = store.setdefault(f"{name}.{i}.{kind}", [])
+
+
+def count_parameters(model):
+    return sum(p.size for p in model.parameters())
+
+
+__all__ = ["TransformerConfig", "Transformer", "PRESETS", "preset", "sinusoids",
+           "count_parameters", "no_grad"]

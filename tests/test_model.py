@@ -1,0 +1,224 @@
+"""The whole Transformer: gradients, decoding properties, checkpoints."""
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer.engine.tensor import no_grad
+from minitransformer.mt import checkpoint as ckpt
+from minitransformer.mt.search import beam_search, greedy_search
+from minitransformer.nn.transformer import Transformer, TransformerConfig, preset, sinusoids
+
+V = 23
+
+
+def tiny_config(**overrides):
+    base = dict(vocab_size=V, d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0,
+                label_smoothing=0.1)
+    base.update(overrides)
+    return TransformerConfig(**base)
+
+
+def toy_batch(seed=0, B=3, S=6, T=5):
+    r = np.random.default_rng(seed)
+    src = r.integers(4, V, (B, S))
+    src[0, S - 2:] = 0  # padding in the source
+    tgt = r.integers(4, V, (B, T + 1))
+    tgt[1, T - 1:] = 0  # padding in the target
+    return src, tgt[:, :-1], tgt[:, 1:]
+
+
+@pytest.mark.parametrize("overrides", [
+    {},                                                    # the paper: post-norm, shared, sinusoids
+    {"norm": "pre", "positions": "learned", "share_embeddings": False, "smoothing": "uniform"},
+])
+def test_whole_model_gradcheck_float64(overrides):
+    model = Transformer(tiny_config(**overrides), seed=3, dtype=np.float64)
+    src, tin, tout = toy_batch()
+    report = mt.gradcheck(lambda s: model.loss(s, tin, tout)[0], [src],
+                          params=list(model.named_parameters()), n_directions=3, full_max=0)
+    names = {n for n, _ in model.named_parameters()}
+    assert set(report) == names  # every parameter was checked (the int input was skipped)
+    assert "embedding" in report or "src_embedding" in report
+    worst = max(r["max_rel"] for r in report.values())
+    assert worst < 1e-5
+
+
+def test_shared_embedding_is_one_matrix():
+    model = Transformer(tiny_config())
+    names = [n for n, _ in model.named_parameters()]
+    assert "embedding" in names and "src_embedding" not in names
+    assert not any(n.startswith("out_proj") for n in names)
+    unshared = Transformer(tiny_config(share_embeddings=False))
+    assert {"src_embedding", "tgt_embedding", "out_proj.weight"} <= {n for n, _ in unshared.named_parameters()}
+
+
+def test_sinusoids_match_the_paper_formula():
+    pe = sinusoids(50, 8, dtype=np.float64)
+    pos, i = 7, 2
+    assert pe[pos, 2 * i] == pytest.approx(np.sin(pos / 10000 ** (2 * i / 8)))
+    assert pe[pos, 2 * i + 1] == pytest.approx(np.cos(pos / 10000 ** (2 * i / 8)))
+    cat = sinusoids(50, 8, layout="concat", dtype=np.float64)
+    assert cat[pos, i] == pytest.approx(pe[pos, 2 * i]) and cat[pos, 4 + i] == pytest.approx(pe[pos, 2 * i + 1])
+
+
+def test_presets_are_the_papers():
+    base, big = preset("base"), preset("big")
+    assert (base.n_layers, base.d_model, base.n_heads, base.d_ff, base.dropout) == (6, 512, 8, 2048, 0.1)
+    assert (big.n_layers, big.d_model, big.n_heads, big.d_ff, big.dropout) == (6, 1024, 16, 4096, 0.3)
+    assert preset("tiny", d_model=64).d_model == 64
+    with pytest.raises(ValueError, match="divisible"):
+        TransformerConfig(d_model=10, n_heads=3)
+
+
+def test_overfits_one_batch():
+    model = Transformer(tiny_config(label_smoothing=0.0), seed=0)
+    src, tin, tout = toy_batch(1)
+    opt = mt.optim.Adam(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(150):
+        loss, n = model.loss(src, tin, tout)
+        (loss * (1.0 / n)).backward()
+        opt.step()
+        opt.zero_grad()
+        first = first if first is not None else loss.item() / n
+    assert first > 2.5 and loss.item() / n < 0.05
+
+
+def test_dropout_is_seeded_and_off_in_eval():
+    cfg = tiny_config(dropout=0.3, attention_dropout=0.1, relu_dropout=0.1)
+    src, tin, tout = toy_batch()
+    a, b = Transformer(cfg, seed=5), Transformer(cfg, seed=5)
+    assert a.loss(src, tin, tout)[0].item() == b.loss(src, tin, tout)[0].item()
+    a.eval()
+    with no_grad():
+        assert a.loss(src, tin, tout)[0].item() == a.loss(src, tin, tout)[0].item()
+
+
+def test_cached_decoding_equals_full_decoding():
+    model = Transformer(tiny_config(), seed=2, dtype=np.float64).eval()
+    src, tin, _ = toy_batch(2)
+    tin = np.where(tin == 0, 5, tin)
+    with no_grad():
+        memory, mask = model.encode(src)
+        full = model.logits(model.decode(tin, memory, mask)).data
+        cache = model.new_cache()
+        steps = [model.logits(model.decode(tin[:, t:t + 1], memory, mask, cache=cache, offset=t)).data
+                 for t in range(tin.shape[1])]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-10, atol=1e-12)
+
+
+def trained_toy_model():
+    """A model that has learnt to copy reversed short sequences, so outputs are non-trivial."""
+    model = Transformer(tiny_config(label_smoothing=0.0, d_model=32, d_ff=64), seed=4,
+                        dtype=np.float64)
+    r = np.random.default_rng(0)
+    opt = mt.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        L = r.integers(2, 6)
+        src = r.integers(4, V, (8, L))
+        tgt = np.concatenate([np.full((8, 1), 2), src[:, ::-1], np.full((8, 1), 3)], axis=1)
+        loss, n = model.loss(np.concatenate([src, np.full((8, 1), 3)], 1), tgt[:, :-1], tgt[:, 1:])
+        (loss * (1.0 / n)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.fixture(scope="module")
+def toy_model():
+    return trained_toy_model()
+
+
+def test_beam_one_equals_greedy(toy_model):
+    src, _, _ = toy_batch(3, B=5, S=7)
+    src[:, -1] = 3
+    assert beam_search(toy_model, src, beam=1, max_len_a=8) == greedy_search(toy_model, src, max_len_a=8)
+
+
+def test_decoding_independent_of_batch_and_padding(toy_model):
+    r = np.random.default_rng(7)
+    seqs = [list(r.integers(4, V, n)) + [3] for n in (2, 5, 3, 4)]
+    from minitransformer.mt.translation import pad_batch
+    batch = pad_batch(seqs, 0)
+    for search in (lambda s: greedy_search(toy_model, s, max_len_a=6),
+                   lambda s: beam_search(toy_model, s, beam=3, max_len_a=6)):
+        together = search(batch)
+        alone = [search(np.array([s]))[0] for s in seqs]
+        extra_pad = search(np.concatenate([batch, np.zeros((4, 3), np.int64)], axis=1))
+        assert together == alone == extra_pad
+
+
+def test_beam_finds_at_least_greedy_score(toy_model):
+    src, _, _ = toy_batch(4, B=4, S=6)
+    hyps = beam_search(toy_model, src, beam=4, max_len_a=8, return_all=True)
+    for h in hyps:
+        assert h and all(h[i][0] >= h[i + 1][0] for i in range(len(h) - 1))
+
+
+def test_max_length_is_source_plus_a():
+    model = Transformer(tiny_config(), seed=0)  # untrained: rarely emits EOS
+    src = np.array([[5, 6, 3]])
+    for out in (greedy_search(model, src, max_len_a=4)[0], beam_search(model, src, beam=2, max_len_a=4)[0]):
+        assert len(out) <= 3 + 4
+        assert 0 not in out and 2 not in out  # padding and BOS are never produced
+
+
+def test_checkpoint_round_trip(tmp_path):
+    cfg = tiny_config()
+    model = Transformer(cfg, seed=1)
+    opt = mt.optim.Adam(model.parameters(), lr=1e-3)
+    src, tin, tout = toy_batch()
+    loss, n = model.loss(src, tin, tout)
+    loss.backward()
+    opt.step()
+    path = str(tmp_path / "c.npz")
+    ckpt.save_checkpoint(path, model, opt, {"update": 1})
+    params, optim, meta = ckpt.load_checkpoint(path)
+    with np.load(path, allow_pickle=False) as z:  # plain arrays, no pickle needed
+        assert "model/embedding" in z.files
+    other = Transformer(cfg, seed=99)
+    other.load_state_dict(params)
+    for (na, a), (nb, b) in zip(model.named_parameters(), other.named_parameters()):
+        assert na == nb and np.array_equal(a.data, b.data)
+    opt2 = mt.optim.Adam(other.parameters())
+    opt2.load_state_dict({**optim, **meta["optim"]})
+    assert opt2.t == 1 and all(np.array_equal(x, y) for x, y in zip(opt.m, opt2.m))
+    ckpt.check_compatible(path, meta, cfg)
+    with pytest.raises(ckpt.CheckpointError, match="d_model"):
+        ckpt.check_compatible(path, meta, tiny_config(d_model=32))
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    model = Transformer(tiny_config(), seed=1)
+    path = str(tmp_path / "c.npz")
+    ckpt.save_checkpoint(path, model, None, {"update": 1})
+    before = open(path, "rb").read()
+
+    def explode(*a, **k):
+        raise KeyboardInterrupt("killed mid-write")
+    monkeypatch.setattr(np, "savez", explode)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(path, model, None, {"update": 2})
+    assert open(path, "rb").read() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]  # no temporary left behind
+
+
+def test_bad_checkpoint_gives_clear_error(tmp_path):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(ckpt.CheckpointError, match="bad.npz"):
+        ckpt.load_checkpoint(str(bad))
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.load_checkpoint(str(tmp_path / "missing.npz"))
+
+
+def test_average_checkpoints(tmp_path):
+    cfg = tiny_config()
+    paths = []
+    for seed in (1, 2):
+        p = str(tmp_path / f"checkpoint_{seed}.npz")
+        ckpt.save_checkpoint(p, Transformer(cfg, seed=seed), None, {})
+        paths.append(p)
+    avg, _ = ckpt.average_checkpoints(paths)
+    a, b = (ckpt.load_checkpoint(p)[0] for p in paths)
+    np.testing.assert_allclose(avg["embedding"], (a["embedding"] + b["embedding"]) / 2, rtol=1e-6)
