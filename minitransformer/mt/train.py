@@ -355,8 +355,8 @@ class Trainer:
         loss_sum, n_tok = 0.0, 0
         with no_grad():
             self.model.eval()
-            for batch in self.valid_batches.epoch_batches(0):
-                b = collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id)
+            for idx in self.valid_batches.epoch_batches(0):
+                b = collate(self.valid_batches.pairs(idx), self.tok.pad_id, self.tok.bos_id, self.tok.eos_id)
                 loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
                 loss_sum, n_tok = loss_sum + float(loss.data), n_tok + n
         vs, vt = self.valid
@@ -377,7 +377,7 @@ class Trainer:
         log.info(f"model: {count_parameters(self.model):,} parameters, config "
                  f"{json.dumps(dataclasses.asdict(self.cfg))}")
         self.batch_iter = iter(self.batches)
-        window_loss, window_tok, window_t = 0.0, 0, time.perf_counter()
+        window_loss, window_tok, window_t = 0.0, 0, 0.0
         start = time.perf_counter() - self.train_time
         reason = "done"
         try:
@@ -391,18 +391,19 @@ class Trainer:
                 if a.max_time and time.perf_counter() - start >= a.max_time * 60:
                     reason = f"reached --max-time {a.max_time} min"
                     break
+                t0 = time.perf_counter()
                 loss_sum, n_tok = self.train_update()
+                window_t += time.perf_counter() - t0  # tokens/s counts update time only
                 self.train_time = time.perf_counter() - start
                 window_loss += loss_sum
                 window_tok += n_tok
                 if stop["signal"] is not None:
                     break
                 if self.update % a.log_every == 0 or self.update == 1:
-                    now = time.perf_counter()
                     loss = window_loss / max(window_tok, 1)
                     rec = {"update": self.update, "epoch": self.batches.state_dict()["epoch"],
                            "loss": loss, "ppl": math.exp(min(loss, 50)), "lr": self.optim.lr,
-                           "tokens_per_s": window_tok / max(now - window_t, 1e-9),
+                           "tokens_per_s": window_tok / max(window_t, 1e-9),
                            "time": self.train_time}
                     log.metrics(rec)
                     text = (f"loss {loss:.3f} ppl {rec['ppl']:.1f} lr {rec['lr']:.2e} "
@@ -411,7 +412,7 @@ class Trainer:
                         log.progress(self.update, text)
                     else:
                         log.info(f"update {self.update} epoch {rec['epoch']} {text}")
-                    window_loss, window_tok, window_t = 0.0, 0, time.perf_counter()
+                    window_loss, window_tok, window_t = 0.0, 0, 0.0
                 if self.valid is not None and self.update % a.valid_every == 0:
                     self._validate_and_save(log)
                 elif a.save_every and self.update % a.save_every == 0:

@@ -1,0 +1,1 @@
+"""Translation tooling: synthetic corpus, tokenizer, data and batching, search, checkpoints, CLIs."""

@@ -1,0 +1,181 @@
+"""A thin wrapper over sentencepiece: one joint subword model for source and target (§5.1).
+
+The paper shares one byte-pair vocabulary of about 37000 tokens between English and German, and
+ties the source embedding, target embedding and pre-softmax weights to it (§3.4). Here one
+sentencepiece model (unigram by default, BPE on request) is trained over both sides. Its ids are
+fixed so that the rest of the code can rely on them:
+
+    pad_id = 0, unk_id = 1, bos_id = 2, eos_id = 3
+
+``encode`` adds no BOS/EOS; ``data.collate`` adds them where the model needs them.
+"""
+import io
+import os
+import re
+
+import numpy as np
+import sentencepiece as spm
+
+from .data import DataError
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+QUIET = 2  # sentencepiece's minloglevel: 0 info, 1 warning, 2 error
+
+
+def train_sentencepiece(input_files, model_prefix, vocab_size, model_type="unigram",
+                        character_coverage=1.0, input_sentence_size=None, seed=0):
+    """Train one joint model over all ``input_files``; returns the path ``{model_prefix}.model``.
+
+    input_files: UTF-8 text files, one sentence a line (e.g. train.src and train.tgt).
+    vocab_size: number of pieces, the 4 special ones included.
+    model_type: "unigram" (sentencepiece's default) or "bpe" (the paper's choice, §5.1).
+    character_coverage: fraction of characters kept as pieces; 1.0 keeps all (fine for
+        alphabetic languages; 0.9995 is usual for Chinese or Japanese).
+    input_sentence_size: train on at most this many lines, drawn uniformly at random from
+        all files with a NumPy generator seeded by ``seed``; None uses every line.
+
+    Also writes ``{model_prefix}.vocab`` (piece, tab, score; one a line) for reading.
+    The same lines and arguments give a byte-identical .model file: lines reach sentencepiece
+    through an iterator (its own sampling ignores any seed in 0.2.x), so the model records no
+    paths, and the model is written from memory, so it records no model_prefix either.
+    """
+    if isinstance(input_files, (str, os.PathLike)):
+        input_files = [input_files]
+    input_files = [os.fspath(p) for p in input_files]
+    for path in input_files:
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such file to train the sentencepiece model on")
+    model_prefix = os.fspath(model_prefix)
+    if os.path.dirname(model_prefix):
+        os.makedirs(os.path.dirname(model_prefix), exist_ok=True)
+
+    lines = _TrainingLines(input_files, input_sentence_size, seed)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=model, vocab_size=int(vocab_size),
+            model_type=model_type, character_coverage=character_coverage,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=QUIET)
+    except RuntimeError as exc:
+        if lines.error is not None:  # raised inside our iterator; sentencepiece wraps it
+            raise lines.error from None
+        message = str(exc)
+        too_high = re.search(r"Vocabulary size too high \((\d+)\)\. "
+                             r"Please set it to a value <= (\d+)", message)
+        if too_high:
+            raise DataError(f"--vocab-size {vocab_size} is too large for this training text: "
+                            f"sentencepiece can make at most {too_high.group(2)} pieces from "
+                            f"it. Use --vocab-size {too_high.group(2)} or less (or more text)."
+                            ) from None
+        too_low = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)",
+                            message)
+        if too_low:
+            raise DataError(f"--vocab-size {vocab_size} is too small: the text needs "
+                            f"{too_low.group(2)} pieces for its characters and the 4 special "
+                            f"ids. Use --vocab-size {too_low.group(2)} or more (or a lower "
+                            "--character-coverage).") from None
+        if "sentences_.empty()" in message:
+            raise DataError(f"{', '.join(input_files)}: no text to train the sentencepiece "
+                            "model on") from None
+        raise DataError(f"sentencepiece training on {', '.join(input_files)} failed: "
+                        f"{message}") from None
+
+    with open(model_prefix + ".model", "wb") as f:
+        f.write(model.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    with open(model_prefix + ".vocab", "w", encoding="utf-8") as f:
+        f.write("".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n"
+                        for i in range(sp.get_piece_size())))
+    return model_prefix + ".model"
+
+
+class _TrainingLines:
+    """The non-empty lines of ``paths`` (all, or ``sample_size`` of them drawn with ``seed``).
+
+    An error while reading is kept in ``self.error``: sentencepiece turns exceptions raised in
+    its iterator into a bare RuntimeError.
+    """
+
+    def __init__(self, paths, sample_size, seed):
+        self.paths, self.sample_size, self.seed = paths, sample_size, seed
+        self.error = None
+
+    def _read(self):
+        """(path, 1-based line number, line) for every line, newline removed."""
+        for path in self.paths:
+            with open(path, "rb") as f:
+                for number, raw in enumerate(f, start=1):
+                    try:
+                        yield path, number, raw.decode("utf-8").strip()
+                    except UnicodeDecodeError:
+                        raise DataError(f"{path}, line {number}: not valid UTF-8; convert the "
+                                        "file to UTF-8, e.g. `iconv -f latin1 -t utf-8`"
+                                        ) from None
+
+    def __iter__(self):
+        try:
+            chosen = None
+            if self.sample_size:
+                total = sum(1 for _ in self._read())
+                if self.sample_size < total:
+                    rng = np.random.default_rng(int(self.seed))
+                    chosen = set(rng.choice(total, size=int(self.sample_size),
+                                            replace=False).tolist())
+            for i, (_, _, line) in enumerate(self._read()):
+                if line and (chosen is None or i in chosen):
+                    yield line
+        except DataError as exc:
+            self.error = exc
+            raise
+
+
+class Tokenizer:
+    """Text <-> token ids with a trained sentencepiece model.
+
+    V = ``vocab_size``; ids are in [0, V). ``encode`` gives lists of ids without BOS/EOS;
+    ``decode`` drops pad, BOS and EOS ids and joins the pieces back into text.
+    """
+
+    def __init__(self, model_path):
+        model_path = os.fspath(model_path)
+        if not os.path.isfile(model_path):
+            raise DataError(f"{model_path}: no such sentencepiece model; check the path, or train "
+                            "one first (train_sentencepiece writes <prefix>.model)")
+        self.model_path = model_path
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.load(model_path)
+        except (RuntimeError, OSError) as exc:
+            raise DataError(f"{model_path}: not a readable sentencepiece model ({exc}); "
+                            "retrain it or point to the right .model file") from None
+        self.vocab_size = self.sp.get_piece_size()
+        self.pad_id, self.unk_id = self.sp.pad_id(), self.sp.unk_id()
+        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        if min(self.pad_id, self.bos_id, self.eos_id) < 0:
+            raise DataError(f"{model_path}: the model has no pad, bos or eos id "
+                            f"(pad={self.pad_id}, bos={self.bos_id}, eos={self.eos_id}); "
+                            "train it with minitransformer's train_sentencepiece")
+        self._specials = {self.pad_id, self.bos_id, self.eos_id}
+
+    def encode(self, lines):
+        """list of N strings -> list of N lists of ids (no BOS/EOS)."""
+        return self.sp.encode(list(lines), out_type=int)
+
+    def decode(self, id_lists):
+        """list of N id lists -> list of N strings; pad, BOS and EOS ids are ignored."""
+        return self.sp.decode([[int(i) for i in ids if int(i) not in self._specials]
+                               for ids in id_lists])
+
+    def encode_as_pieces(self, line):
+        """One string -> its pieces, e.g. "the dog" -> ["▁the", "▁dog"]."""
+        return self.sp.encode(line, out_type=str)
+
+    def id_to_piece(self, i):
+        """The piece string of id ``i`` (e.g. for attention-plot labels)."""
+        return self.sp.id_to_piece(int(i))
+
+    def __len__(self):
+        return self.vocab_size
+
+    def __repr__(self):
+        return f"Tokenizer({self.model_path!r}, vocab_size={self.vocab_size})"

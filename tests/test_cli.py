@@ -1,0 +1,181 @@
+"""train.py and translate.py end to end: exact resume, bad input, signals, translation."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from minitransformer.mt import checkpoint as ckpt
+from minitransformer.mt import train as train_cli
+from minitransformer.mt import translate as translate_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--synthetic-pairs", "1500", "--d-model", "32", "--n-heads", "2", "--d-ff", "64",
+         "--max-tokens", "600", "--vocab-size", "120", "--no-progress", "--log-every", "5",
+         "--warmup", "50", "--valid-bleu-sentences", "20", "--test-split", ""]
+
+
+def run_train(*args):
+    code = train_cli.main(list(SMALL) + list(args))
+    return code
+
+
+def params_of(path):
+    return ckpt.load_checkpoint(path)[0]
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run_train("--run-dir", straight, "--max-updates", "24", "--valid-every", "8") == 0
+    assert run_train("--run-dir", split, "--max-updates", "12", "--valid-every", "8") == 0
+    assert run_train("--run-dir", split, "--max-updates", "24", "--valid-every", "8",
+                     "--resume") == 0
+    a = params_of(os.path.join(straight, "checkpoint_last.npz"))
+    b = params_of(os.path.join(split, "checkpoint_last.npz"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k  # bit-for-bit on CPU
+    meta = ckpt.load_checkpoint(os.path.join(split, "checkpoint_last.npz"))[2]
+    assert meta["update"] == 24
+    # the metrics log holds both halves
+    updates = [json.loads(l)["update"] for l in open(os.path.join(split, "metrics.jsonl"))]
+    assert max(updates) == 24
+
+
+def test_run_directory_layout_and_periodic_pruning(tmp_path):
+    run = str(tmp_path / "run")
+    assert run_train("--run-dir", run, "--max-updates", "20", "--valid-every", "4",
+                     "--keep-last", "2") == 0
+    names = set(os.listdir(run))
+    assert {"config.json", "spm.model", "checkpoint_last.npz", "checkpoint_best.npz",
+            "metrics.jsonl"} <= names
+    assert sorted(n for n in names if n.startswith("checkpoint_") and n[11:-4].isdigit()) == \
+        ["checkpoint_16.npz", "checkpoint_20.npz"]
+    cfg = json.load(open(os.path.join(run, "config.json")))
+    assert cfg["model"]["d_model"] == 32 and cfg["train"]["vocab_size"] == 120
+    records = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+    assert any("valid_bleu" in r for r in records)
+    assert all({"loss", "ppl", "lr", "tokens_per_s"} <= set(r) for r in records if "loss" in r)
+
+
+def test_existing_run_is_never_overwritten(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert run_train("--run-dir", run, "--max-updates", "2", "--valid-every", "100") == 0
+    before = open(os.path.join(run, "checkpoint_last.npz"), "rb").read()
+    with pytest.raises(SystemExit, match="--resume"):
+        run_train("--run-dir", run, "--max-updates", "4")
+    assert open(os.path.join(run, "checkpoint_last.npz"), "rb").read() == before
+
+
+def test_resume_with_a_different_model_flag_is_refused(tmp_path):
+    run = str(tmp_path / "run")
+    assert run_train("--run-dir", run, "--max-updates", "2", "--valid-every", "100") == 0
+    with pytest.raises(SystemExit, match="--d-model"):
+        train_cli.main([a if a != "32" else "64" for a in SMALL] +
+                       ["--run-dir", run, "--resume", "--max-updates", "4"])
+
+
+def test_checkpoint_from_another_vocabulary_is_refused(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert run_train("--run-dir", a, "--max-updates", "2", "--valid-every", "100") == 0
+    assert train_cli.main([x if x != "120" else "100" for x in SMALL] +
+                          ["--run-dir", b, "--max-updates", "2", "--valid-every", "100"]) == 0
+    code = translate_cli.main(["--run-dir", b, "--checkpoint",
+                               os.path.join(a, "checkpoint_last.npz"), "--input", os.devnull])
+    assert code == 2
+
+
+@pytest.mark.parametrize("case", ["missing", "counts", "empty", "utf8", "no-lang"])
+def test_bad_data_gives_a_clear_error(tmp_path, capsys, case):
+    d = tmp_path / "data"
+    d.mkdir()
+    src, tgt = d / "train.en", d / "train.de"
+    src.write_text("a b\nc d\n")
+    tgt.write_text("x y\nz w\n")
+    expect = {"missing": "train.de", "counts": "2", "empty": "empty", "utf8": "line 2",
+              "no-lang": "--src-lang"}[case]
+    if case == "missing":
+        tgt.unlink()
+    elif case == "counts":
+        tgt.write_text("x y\nz w\nv u\n")
+    elif case == "empty":
+        src.write_text("\n\n")
+    elif case == "utf8":
+        src.write_bytes(b"a b\nc \xff d\n")
+    args = ["--data", str(d), "--run-dir", str(tmp_path / "run"), "--max-updates", "1"]
+    if case != "no-lang":
+        args += ["--src-lang", "en", "--tgt-lang", "de"]
+    code = train_cli.main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and expect in err, err
+    if case == "counts":
+        assert "3" in err
+
+
+def test_config_file_and_flag_precedence(tmp_path):
+    conf = tmp_path / "c.toml"
+    conf.write_text('d-model = 48\nn_heads = 4\nwarmup = 77\n')
+    args = train_cli.parse_args(["--config", str(conf), "--warmup", "12"])
+    assert args.d_model == 48 and args.n_heads == 4 and args.warmup == 12
+    (tmp_path / "c.json").write_text(json.dumps({"no_such_option": 1}))
+    with pytest.raises(SystemExit, match="no_such_option"):
+        train_cli.parse_args(["--config", str(tmp_path / "c.json")])
+
+
+@pytest.mark.slow
+def test_train_translate_score_end_to_end(tmp_path):
+    """A few hundred updates on the synthetic corpus, then translate.py and sacreBLEU."""
+    run = str(tmp_path / "run")
+    code = train_cli.main(["--run-dir", run, "--synthetic-pairs", "4000", "--max-updates", "300",
+                           "--valid-every", "100", "--warmup", "100", "--max-tokens", "1500",
+                           "--no-progress", "--log-every", "50", "--test-split", "",
+                           "--valid-bleu-sentences", "100", "--d-model", "64", "--d-ff", "256"])
+    assert code == 0
+    data = os.path.join(run, "data")
+    src = os.path.join(tmp_path, "in.txt")
+    lines = open(os.path.join(data, "test.src")).read().splitlines()[:40]
+    with open(src, "w") as f:  # an empty line must stay an empty line
+        f.write("\n".join(lines[:5] + [""] + lines[5:]) + "\n")
+    ref = os.path.join(tmp_path, "ref.txt")
+    refs = open(os.path.join(data, "test.tgt")).read().splitlines()[:40]
+    with open(ref, "w") as f:
+        f.write("\n".join(refs[:5] + [""] + refs[5:]) + "\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "translate.py"), "--run-dir", run,
+                           "--input", src, "--reference", ref, "--beam", "4"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.split("\n")[:-1]
+    assert len(out) == 41 and out[5] == ""
+    assert "BLEU = " in proc.stderr and "nrefs:1|case:mixed" in proc.stderr
+    bleu = float(proc.stderr.split("BLEU = ")[1].split()[0])
+    assert bleu > 20, proc.stderr  # far above an untrained model's ~0
+    greedy = subprocess.run([sys.executable, os.path.join(ROOT, "translate.py"), "--run-dir", run,
+                             "--beam", "1", "--average-last", "2"], input="\n".join(lines[:3]) + "\n",
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert greedy.returncode == 0 and len(greedy.stdout.splitlines()) == 3
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
+    run = str(tmp_path / "run")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, "--run-dir", run,
+           "--max-updates", "100000", "--valid-every", "100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 120
+    log = os.path.join(run, "metrics.jsonl")
+    while time.time() < deadline and not (os.path.exists(log) and os.path.getsize(log) > 300):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "SIGTERM" in out and "--resume" in out
+    meta = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]
+    stopped = meta["update"]
+    assert stopped > 0
+    assert run_train("--run-dir", run, "--resume", "--max-updates", str(stopped + 3),
+                     "--valid-every", "100000") == 0
+    assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == stopped + 3
