@@ -80,10 +80,12 @@ def scatter_add(table, index, values):
 
 
 class Generator:
-    """A seedable random generator on the device: numpy's or cupy's, same interface.
+    """A seedable random generator on the device, with a state that is plain data.
 
-    Dropout takes one explicitly, so masks are reproducible and a checkpoint can save
-    and restore its state (``get_state`` / ``set_state``; the state is plain data).
+    Dropout takes one explicitly, so masks are reproducible. Each draw uses a fresh
+    numpy/cupy generator seeded from (seed, number of earlier draws), so the whole state is
+    those two integers on every backend: ``get_state`` / ``set_state`` restore it exactly,
+    which a checkpoint needs for an exact resume (CuPy's generators expose no state).
     """
 
     def __init__(self, seed=0, device="cpu"):
@@ -92,22 +94,16 @@ class Generator:
         self.seed(seed)
 
     def seed(self, seed):
-        self._seed = int(seed)
-        self._gen = self.xp.random.default_rng(self._seed) if self.xp is np else \
-            self.xp.random.default_rng(self._seed)
+        self._seed, self.draws = int(seed), 0
 
     def random(self, shape, dtype):
         """Uniform [0, 1) of ``dtype`` (float32 or float64)."""
-        return self._gen.random(shape, dtype=dtype)
+        key = int(np.random.SeedSequence([self._seed, self.draws]).generate_state(1, np.uint64)[0])
+        self.draws += 1
+        return self.xp.random.default_rng(key).random(shape, dtype=dtype)
 
     def get_state(self):
-        if self.xp is np:
-            return {"seed": self._seed, "bit_generator": self._gen.bit_generator.state}
-        # cupy's generator: we keep seed and the number of draws is not exposed, so the
-        # state is recorded as the seed plus a draw counter kept by the caller.
-        return {"seed": self._seed}
+        return {"seed": self._seed, "draws": self.draws}
 
     def set_state(self, state):
-        self.seed(state["seed"])
-        if self.xp is np and "bit_generator" in state:
-            self._gen.bit_generator.state = state["bit_generator"]
+        self._seed, self.draws = int(state["seed"]), int(state.get("draws", 0))

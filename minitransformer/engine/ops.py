@@ -73,9 +73,13 @@ class Neg(Function):
 
 
 class Power(Function):
-    """y = x^p for a constant p;  dx = dy * p * x^(p-1)."""
+    """y = x^p for a constant p;  dx = dy * p * x^(p-1).
+
+    p is kept as a Python number, which never promotes x's dtype (a NumPy float64 would).
+    """
     def forward(self, x):
         self.x = x
+        self.p = self.p.item() if hasattr(self.p, "item") else self.p
         return x ** self.p
 
     def backward(self, dy):

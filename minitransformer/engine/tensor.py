@@ -141,7 +141,7 @@ class Tensor:
             for t, g in zip(node.inputs, g_in):
                 if g is None or not t.requires_grad:
                     continue
-                g = unbroadcast(g, t.shape)
+                g = unbroadcast(g, t.shape, type(node).__name__)
                 if t.node is None:
                     _accumulate(t, g)
                 else:
@@ -164,7 +164,12 @@ class Tensor:
     def sum(self, axis=None, keepdims=False): return _ops().sum(self, axis, keepdims)
     def mean(self, axis=None, keepdims=False): return _ops().mean(self, axis, keepdims)
     def reshape(self, *shape): return _ops().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
-    def transpose(self, *axes): return _ops().transpose(self, axes or None)
+
+    def transpose(self, *axes):
+        if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+            axes = tuple(axes[0])  # x.transpose((1, 0, 2)) as well as x.transpose(1, 0, 2)
+        return _ops().transpose(self, axes or None)
+
     def exp(self): return _ops().exp(self)
     def log(self): return _ops().log(self)
     def relu(self): return _ops().relu(self)
@@ -189,11 +194,18 @@ def _accumulate(t, g):
         t.grad += g
 
 
-def unbroadcast(g, shape):
-    """Sum ``g`` over the axes that broadcasting added or stretched, to get ``shape``."""
+def unbroadcast(g, shape, op="Function"):
+    """Sum ``g`` over the axes that broadcasting added or stretched, to get ``shape``.
+
+    A ``g`` that ``shape`` does not broadcast to is a wrong gradient from ``op``: an error,
+    not a silent reshape (a transposed gradient has the right size).
+    """
     if g.shape == tuple(shape):
         return g
     extra = g.ndim - len(shape)
+    if extra < 0 or any(n not in (1, m) for n, m in zip(shape, g.shape[extra:])):
+        raise RuntimeError(f"{op}.backward returned a gradient of shape {g.shape} for an input "
+                           f"of shape {tuple(shape)}")
     axes = tuple(range(extra)) + tuple(i + extra for i, n in enumerate(shape)
                                        if n == 1 and g.shape[i + extra] != 1)
     g = g.sum(axis=axes, keepdims=True) if axes else g

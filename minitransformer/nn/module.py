@@ -63,8 +63,8 @@ class Module:
         return self.train(False)
 
     def state_dict(self):
-        """Name -> NumPy array of every parameter (copied to the host)."""
-        return {name: p.numpy() for name, p in self.named_parameters()}
+        """Name -> NumPy copy of every parameter (a snapshot: training does not change it)."""
+        return {name: backend.to_numpy(p.data).copy() for name, p in self.named_parameters()}
 
     def load_state_dict(self, state, strict=True):
         own = dict(self.named_parameters())
@@ -80,7 +80,7 @@ class Module:
             if tuple(a.shape) != p.shape:
                 raise ValueError(f"parameter {name}: checkpoint shape {tuple(a.shape)}, "
                                  f"model shape {p.shape}")
-            p.data = p.xp.asarray(a, dtype=p.dtype)
+            p.data = p.xp.array(a, dtype=p.dtype)  # a copy, not an alias of ``state``
 
 
 def parameter(array):

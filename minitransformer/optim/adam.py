@@ -76,8 +76,8 @@ class Adam:
     def state_dict(self):
         from ..backend import to_numpy
         state = {"t": self.t, "lr": self.lr}
-        for i, (m, v) in enumerate(zip(self.m, self.v)):
-            state[f"m.{i}"], state[f"v.{i}"] = to_numpy(m), to_numpy(v)
+        for i, (m, v) in enumerate(zip(self.m, self.v)):  # copies: step() updates m, v in place
+            state[f"m.{i}"], state[f"v.{i}"] = to_numpy(m).copy(), to_numpy(v).copy()
         return state
 
     def load_state_dict(self, state):
@@ -88,4 +88,4 @@ class Adam:
                 if tuple(a.shape) != p.shape:
                     raise ValueError(f"optimizer state {key}.{i} has shape {a.shape}, parameter "
                                      f"has {p.shape}: the checkpoint belongs to another model")
-                buf[i] = p.xp.asarray(a, dtype=p.dtype)
+                buf[i] = p.xp.array(a, dtype=p.dtype)  # a copy, not an alias of ``state``

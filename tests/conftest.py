@@ -1,0 +1,79 @@
+"""Shared fixtures: the array backend under test and helpers to build arrays on it.
+
+``xp`` runs a test once per backend: NumPy always, CuPy (marked ``gpu``) only where CuPy
+imports and sees a GPU; elsewhere the CuPy case is skipped with the reason, never errors.
+"""
+import numpy as np
+import pytest
+
+from minitransformer import Tensor, backend
+
+
+@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request):
+    """The array module under test: numpy, or cupy when a GPU is present."""
+    if request.param == "numpy":
+        return np
+    if not backend.cupy_available():
+        pytest.skip("CuPy with an NVIDIA GPU is not available (pip install -e .[cuda12])")
+    return backend.get_xp("cuda")
+
+
+class Arrays:
+    """Seeded arrays on one backend: ``arrays.randn(2, 3)``, ``arrays.asarray(a)``.
+
+    Values are drawn on the host with NumPy (so both backends see the same numbers) and
+    moved to the backend; ``numpy(a)`` brings any array or Tensor back.
+    """
+
+    def __init__(self, xp, seed=0):
+        self.xp = xp
+        self.rng = np.random.default_rng(seed)
+
+    def asarray(self, a, dtype=None):
+        return self.xp.asarray(a, dtype=dtype)
+
+    def randn(self, *shape, dtype=np.float64):
+        return self.asarray(self.rng.standard_normal(shape).astype(dtype))
+
+    def uniform(self, low, high, *shape, dtype=np.float64):
+        return self.asarray(self.rng.uniform(low, high, shape).astype(dtype))
+
+    def integers(self, low, high, *shape):
+        return self.asarray(self.rng.integers(low, high, shape))
+
+    @staticmethod
+    def numpy(a):
+        return backend.to_numpy(a.data if isinstance(a, Tensor) else a)
+
+
+@pytest.fixture
+def arrays(xp):
+    """An :class:`Arrays` on the backend of ``xp`` (same seed for every test)."""
+    return Arrays(xp)
+
+
+def _assert_close(actual, expected, rtol, atol, what=""):
+    """assert_allclose that also says where the largest difference is."""
+    actual = Arrays.numpy(actual).astype(np.float64)
+    expected = Arrays.numpy(expected).astype(np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    if actual.size == 0:
+        return
+    diff = np.abs(actual - expected)
+    bad = ~(diff <= atol + rtol * np.abs(expected))  # NaN counts as a mismatch
+    if bad.any():
+        rel = diff / np.maximum(np.abs(expected), 1e-300)
+        where = np.unravel_index(np.argmax(np.where(bad, np.nan_to_num(rel, nan=np.inf), -1.0)),
+                                 diff.shape)
+        pytest.fail(f"{what}: {int(bad.sum())} of {diff.size} elements differ "
+                    f"(rtol={rtol}, atol={atol}); max abs {np.nanmax(diff):.3e}, "
+                    f"max rel {np.nanmax(rel):.3e}; worst at {tuple(map(int, where))}: "
+                    f"got {actual[where]!r}, expected {expected[where]!r}; "
+                    f"NaN in result: {bool(np.isnan(actual).any())}")
+
+
+@pytest.fixture
+def assert_close():
+    """``assert_close(actual, expected, rtol, atol, what)``; reports max abs/rel and where."""
+    return _assert_close

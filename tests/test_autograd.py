@@ -1,0 +1,291 @@
+"""The tape and the engine: accumulation, broadcasting, no_grad, errors, user Functions,
+and gradcheck itself (it must pass right gradients and catch wrong ones)."""
+import numpy as np
+import pytest
+
+import minitransformer as mt
+import minitransformer.functional as F
+from minitransformer import Function, GradcheckError, Tensor, gradcheck, no_grad
+from minitransformer.engine import is_grad_enabled
+
+
+def leaf(arrays, *shape):
+    return Tensor(arrays.randn(*shape), requires_grad=True)
+
+
+# ---- accumulation -------------------------------------------------------------------------------
+def test_tensor_used_twice_accumulates(xp, arrays, assert_close):
+    x = leaf(arrays, 3, 4)
+    (x * x).sum().backward()
+    assert_close(x.grad, 2 * x.numpy(), 0, 0, "d(x*x)/dx")
+    x.zero_grad()
+    (x + x).sum().backward()
+    assert_close(x.grad, np.full((3, 4), 2.0), 0, 0, "d(x+x)/dx")
+    # used in several places of one graph, through intermediate nodes
+    x.zero_grad()
+    y = x * 3.0
+    ((y * y) + y.exp() - x).sum().backward()
+    xn = x.numpy()
+    assert_close(x.grad, 18 * xn + 3 * np.exp(3 * xn) - 1, 1e-14, 1e-14, "shared intermediate")
+
+
+def test_gradients_accumulate_across_backward_calls(xp, arrays, assert_close):
+    x = leaf(arrays, 2, 3)
+    w = arrays.randn(2, 3)
+    (x * Tensor(w)).sum().backward()  # graph 1
+    (x * x).sum().backward()          # graph 2, built fresh
+    assert_close(x.grad, w + 2 * x.numpy(), 1e-15, 0, "sum of the two backward passes")
+
+
+def test_zero_grad(xp, arrays):
+    x = leaf(arrays, 2)
+    (x * x).sum().backward()
+    assert x.grad is not None
+    x.zero_grad()
+    assert x.grad is None
+    lin = mt.nn.Linear(3, 2, device=Tensor(arrays.randn(1)).device)
+    lin(Tensor(arrays.randn(4, 3).astype(np.float32))).sum().backward()
+    assert all(p.grad is not None for p in lin.parameters())
+    lin.zero_grad()
+    assert all(p.grad is None for p in lin.parameters())
+    opt = mt.optim.Adam(lin.parameters())
+    lin(Tensor(arrays.randn(4, 3).astype(np.float32))).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in lin.parameters())
+
+
+def test_no_grad_records_nothing(xp, arrays):
+    x = leaf(arrays, 3)
+    assert is_grad_enabled()
+    with no_grad():
+        assert not is_grad_enabled()
+        y = (x * 2.0).exp().sum()
+        with no_grad():
+            pass
+        assert not is_grad_enabled()  # a nested block does not switch recording back on
+    assert is_grad_enabled()
+    assert y.requires_grad is False and y.node is None
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        y.backward()
+    # an exception inside the block still restores recording
+    with pytest.raises(KeyError):
+        with no_grad():
+            raise KeyError
+    assert is_grad_enabled()
+    z = (x * 2.0).sum()
+    assert z.requires_grad and z.node is not None
+
+
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4,)), ((3, 4), (3, 1)), ((3, 4), (1, 1)),
+                                   ((2, 1, 4), (3, 1)), ((3, 4), ())])
+def test_broadcast_gradient_is_summed_back(xp, arrays, assert_close, sa, sb):
+    a, b = leaf(arrays, *sa), leaf(arrays, *sb)
+    w = arrays.randn(*np.broadcast_shapes(sa, sb))
+    ((a * b) * Tensor(w)).sum().backward()
+    an, bn, wn = a.numpy(), b.numpy(), arrays.numpy(w)
+    full_a = np.broadcast_to(bn, wn.shape) * wn  # d/da before summing the broadcast axes
+    full_b = np.broadcast_to(an, wn.shape) * wn
+    assert a.grad.shape == sa and b.grad.shape == sb
+    # sum by loops over the broadcast index map, not with the engine's axis logic
+    exp_a, exp_b = np.zeros(sa), np.zeros(sb)
+    for idx in np.ndindex(*wn.shape):
+        exp_a[tuple(i if n > 1 else 0 for i, n in zip(idx[len(idx) - len(sa):], sa))] += full_a[idx]
+        exp_b[tuple(i if n > 1 else 0 for i, n in zip(idx[len(idx) - len(sb):], sb))] += full_b[idx]
+    assert_close(a.grad, exp_a, 1e-13, 1e-14, "da")
+    assert_close(b.grad, exp_b, 1e-13, 1e-14, "db")
+
+
+# ---- backward's contract and its errors ---------------------------------------------------------
+def test_backward_on_non_scalar_needs_a_seed(xp, arrays):
+    y = leaf(arrays, 2, 3) * 2.0
+    with pytest.raises(RuntimeError, match=r"non-scalar tensor of shape \(2, 3\) needs a seed "
+                                           r"gradient"):
+        y.backward()
+
+
+def test_backward_with_explicit_seed(xp, arrays, assert_close):
+    x = leaf(arrays, 2, 3)
+    y = x * 3.0 + 1.0
+    g = arrays.randn(2, 3)
+    y.backward(g)
+    assert_close(x.grad, 3 * arrays.numpy(g), 1e-15, 0, "seeded backward")
+    x.zero_grad()
+    (x * x).backward(Tensor(g))  # a Tensor seed works too
+    assert_close(x.grad, 2 * x.numpy() * arrays.numpy(g), 1e-15, 0, "Tensor seed")
+    with pytest.raises(ValueError, match="seed gradient has shape"):
+        (x * 1.0).backward(arrays.randn(3, 2))
+    # a leaf's own backward just stores the seed
+    x.zero_grad()
+    x.backward(g)
+    assert_close(x.grad, g, 0, 0, "leaf seed")
+
+
+def test_second_backward_through_released_graph_raises(xp, arrays):
+    x = leaf(arrays, 3)
+    loss = (x.exp() * x).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"second backward through \w+: its saved arrays were "
+                                           r"released.*run the forward pass again"):
+        loss.backward()
+    # the graph built again works
+    (x.exp() * x).sum().backward()
+
+
+def test_saved_arrays_are_released_after_backward(xp, arrays):
+    x = leaf(arrays, 3)
+    y = x.exp()
+    node = y.node
+    assert node.y is not None
+    y.sum().backward()
+    assert node.released and node.y is None
+
+
+# ---- user-defined Functions ---------------------------------------------------------------------
+class Sin(Function):
+    """y = sin(x) * scale;  dx = dy * cos(x) * scale."""
+    def forward(self, x):
+        self.x = x
+        return mt.get_array_module(x).sin(x) * self.scale
+
+    def backward(self, dy):
+        return dy * mt.get_array_module(dy).cos(self.x) * self.scale
+
+
+class Gather(Function):
+    """y = a[ids] * b: an integer input (no gradient) between two float ones."""
+    def forward(self, a, ids, b):
+        self.a, self.ids, self.b = a, ids, b
+        return a[ids] * b
+
+    def backward(self, dy):
+        xp = mt.get_array_module(dy)
+        da = xp.zeros_like(self.a)
+        mt.backend.scatter_add(da, self.ids, dy * self.b)
+        return da, None, dy * self.a[self.ids]
+
+
+class WrongSin(Sin):
+    """A deliberately wrong backward: the derivative's sign is flipped."""
+    def backward(self, dy):
+        return -super().backward(dy)
+
+
+def test_user_function_works_and_passes_gradcheck(xp, arrays, assert_close):
+    x = leaf(arrays, 3, 4)
+    y = Sin.apply(x, scale=2.0)
+    assert_close(y, 2 * np.sin(x.numpy()), 1e-15, 0, "Sin forward")
+    report = gradcheck(lambda x: Sin.apply(x, scale=2.0), [arrays.randn(3, 4)])
+    assert list(report) == ["input[0]"] and report["input[0]"]["ok"]
+    ids = arrays.asarray(np.array([0, 2, 2, 1]))
+    report = gradcheck(lambda a, i, b: Gather.apply(a, i, b), [arrays.randn(3), ids,
+                                                               arrays.randn(4)])
+    assert sorted(report) == ["input[0]", "input[2]"]  # the integer input[1] is skipped
+
+
+def test_gradcheck_detects_a_wrong_backward(xp, arrays):
+    with pytest.raises(GradcheckError) as info:
+        gradcheck(lambda a, b: WrongSin.apply(a, scale=1.0) * b, [arrays.randn(3, 2),
+                                                                    arrays.randn(3, 2)])
+    msg = str(info.value)
+    lines = {line.split()[1]: line for line in msg.splitlines()[1:]}
+    assert lines["input[0]"].lstrip().startswith("FAIL"), msg
+    assert lines["input[1]"].lstrip().startswith("ok"), msg  # b's gradient is right
+    assert "max abs" in lines["input[0]"] and "max rel" in lines["input[0]"], msg
+    # and it says by how much: the sign flip gives a relative error of 2 somewhere
+    rel = float(lines["input[0]"].split("max rel")[1].split()[0])
+    assert rel > 1.0, msg
+    # raise_on_failure=False returns the same report instead
+    report = gradcheck(lambda a: WrongSin.apply(a, scale=1.0), [arrays.randn(3, 2)],
+                       raise_on_failure=False)
+    assert not report["input[0]"]["ok"] and report["input[0]"]["max_abs"] > 0.1
+
+
+def test_gradcheck_detects_a_small_error(xp, arrays):
+    """An error of 1e-3 relative is far above float64 finite-difference noise."""
+    class Almost(Sin):
+        def backward(self, dy):
+            return super().backward(dy) * 1.001
+    with pytest.raises(GradcheckError, match="FAIL input"):
+        gradcheck(lambda a: Almost.apply(a, scale=1.0), [arrays.randn(4)])
+
+
+def test_wrong_gradient_shape_is_an_error(xp, arrays):
+    """A transposed gradient has the right size: the engine must not reshape it silently."""
+    class Transposed(Function):
+        def forward(self, x):
+            return x * 2
+
+        def backward(self, dy):
+            return (2 * dy).T.copy()
+    x = leaf(arrays, 3, 4)
+    with pytest.raises(RuntimeError, match=r"Transposed.backward returned a gradient of shape "
+                                           r"\(4, 3\) for an input of shape \(3, 4\)"):
+        Transposed.apply(x).sum().backward()
+    with pytest.raises(RuntimeError, match="Transposed.backward returned"):
+        (Transposed.apply(x * 1.0) * 1.0).sum().backward()  # for an inner node as well
+
+
+# ---- gradcheck on Modules and integer inputs ----------------------------------------------------
+class MLP(mt.nn.Module):
+    """x -> Linear -> LayerNorm -> ReLU -> Dropout -> Linear."""
+    def __init__(self, device):
+        rng = np.random.default_rng(0)
+        self.l1 = mt.nn.Linear(4, 6, rng=rng, device=device)
+        self.norm = mt.nn.LayerNorm(6, device=device)
+        self.drop = mt.nn.Dropout(0.3, mt.Generator(5, device=device))
+        self.l2 = mt.nn.Linear(6, 3, bias=False, rng=rng, device=device)
+
+    def forward(self, x):
+        return self.l2(self.drop(F.relu(self.norm(self.l1(x)))))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_gradcheck_on_a_module_checks_and_restores_parameters(xp, arrays, train):
+    device = Tensor(arrays.randn(1)).device
+    model = MLP(device)
+    model.norm.gamma.data += model.norm.gamma.xp.asarray(np.linspace(-0.5, 0.5, 6),
+                                                         dtype=np.float32)
+    before = {n: p.numpy().copy() for n, p in model.named_parameters()}
+    x = arrays.randn(5, 4)
+    report = gradcheck(model, [x], train=train)
+    assert sorted(report) == ["input[0]", "l1.bias", "l1.weight", "l2.weight", "norm.beta",
+                              "norm.gamma"]
+    assert all(r["ok"] for r in report.values())
+    for name, p in model.named_parameters():
+        assert p.dtype == np.float32, f"{name} left as {p.dtype}"
+        assert (p.numpy() == before[name]).all(), f"{name} changed by gradcheck"
+        assert p.requires_grad and p.grad is None
+    assert model.training is True and model.drop.training is True  # mode restored
+
+
+def test_gradcheck_on_a_module_detects_a_wrong_parameter_gradient(xp, arrays, monkeypatch):
+    model = MLP(Tensor(arrays.randn(1)).device)
+    original = mt.engine.ops.Linear.backward
+
+    def no_bias_grad(self, dy):  # a Linear whose bias gradient is wrong, the rest right
+        g = original(self, dy)
+        return g if len(g) == 2 else (g[0], g[1], 2 * g[2])
+    monkeypatch.setattr(mt.engine.ops.Linear, "backward", no_bias_grad)
+    report = gradcheck(model, [arrays.randn(5, 4)], raise_on_failure=False)
+    assert {n for n, r in report.items() if not r["ok"]} == {"l1.bias"}
+
+
+def test_gradcheck_skips_integer_inputs(xp, arrays):
+    ids = arrays.asarray(np.array([[1, 2], [3, 1]]))
+    report = gradcheck(lambda ids, w: F.embedding(ids, w), [ids, arrays.randn(4, 3)])
+    assert list(report) == ["input[1]"]
+
+
+def test_embedding_padding_row_gets_zero_gradient(xp, arrays, assert_close):
+    ids = arrays.asarray(np.array([[1, 0, 3], [3, 0, 0]]))
+    w = leaf(arrays, 5, 2)
+    y = F.embedding(ids, w, padding_idx=0)
+    assert_close(y.numpy()[0, 1], w.numpy()[0], 0, 0, "the padding id still looks up its row")
+    g = arrays.randn(2, 3, 2)
+    y.backward(g)
+    gn = arrays.numpy(g)
+    expected = np.zeros((5, 2))
+    expected[1] = gn[0, 0]
+    expected[3] = gn[0, 2] + gn[1, 0]  # a repeated id sums its rows
+    assert_close(w.grad, expected, 1e-15, 0, "embedding dW with padding_idx=0")
+    assert (arrays.numpy(w.grad)[0] == 0).all()

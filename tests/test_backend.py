@@ -1,0 +1,137 @@
+"""Device selection, the seedable Generator, and the CPU BLAS set-up."""
+import copy
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer import Tensor, backend
+from minitransformer._blas import configure_cpu_blas
+
+
+# ---- devices ------------------------------------------------------------------------------------
+@pytest.mark.skipif(backend.cupy_available(), reason="a GPU is available: 'cuda' works here")
+@pytest.mark.parametrize("device", ["cuda", "gpu", "CUDA"])
+def test_cuda_without_gpu_says_how_to_install(device):
+    for make in (lambda: backend.get_xp(device), lambda: Tensor(np.zeros(2), device=device),
+                 lambda: mt.Generator(0, device=device)):
+        with pytest.raises(RuntimeError) as info:
+            make()
+        assert "pip install -e .[cuda12]" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:0", "mps"])
+def test_unknown_device_is_a_value_error(device):
+    with pytest.raises(ValueError, match=f"unknown device '{device.lower()}'"):
+        backend.get_xp(device)
+    with pytest.raises(ValueError, match="use 'cpu' or 'cuda'"):
+        Tensor(np.zeros(2), device=device)
+
+
+def test_cpu_is_numpy_and_the_default(monkeypatch):
+    assert backend.get_xp("cpu") is backend.get_xp("CPU") is backend.get_xp(None) is np
+    t = Tensor([1.0, 2.0], device="cpu")
+    assert isinstance(t.data, np.ndarray) and t.device == "cpu"
+    assert backend.get_array_module(np.zeros(1), 1.0, None) is np
+    monkeypatch.delenv("MINITRANSFORMER_DEVICE", raising=False)
+    assert backend.default_device() == "cpu"
+    monkeypatch.setenv("MINITRANSFORMER_DEVICE", "CUDA")
+    assert backend.default_device() == "cuda"
+
+
+def test_tensor_on_device_round_trip(xp, arrays):
+    device = "cpu" if xp is np else "cuda"
+    t = Tensor(np.arange(6.0).reshape(2, 3), device=device, dtype=np.float32)
+    assert t.device == device and backend.get_array_module(t.data) is xp
+    assert t.dtype == np.float32
+    out = t.numpy()
+    assert isinstance(out, np.ndarray) and (out == np.arange(6.0).reshape(2, 3)).all()
+
+
+# ---- Generator ----------------------------------------------------------------------------------
+def _device(xp):
+    return "cpu" if xp is np else "cuda"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_generator_reproducible(xp, dtype):
+    a = mt.Generator(42, device=_device(xp))
+    b = mt.Generator(42, device=_device(xp))
+    x1, x2 = a.random((3, 5), dtype), a.random((3, 5), dtype)
+    assert x1.dtype == dtype and x1.shape == (3, 5)
+    assert backend.get_array_module(x1) is xp
+    assert ((0 <= backend.to_numpy(x1)) & (backend.to_numpy(x1) < 1)).all()
+    assert (backend.to_numpy(x1) == backend.to_numpy(b.random((3, 5), dtype))).all()
+    assert (backend.to_numpy(x2) == backend.to_numpy(b.random((3, 5), dtype))).all()
+    assert not (backend.to_numpy(x1) == backend.to_numpy(x2)).all(), "draws move on"
+    other = mt.Generator(43, device=_device(xp)).random((3, 5), dtype)
+    assert not (backend.to_numpy(other) == backend.to_numpy(x1)).all(), "seeds differ"
+    a.seed(42)
+    assert (backend.to_numpy(a.random((3, 5), dtype)) == backend.to_numpy(x1)).all()
+
+
+def test_generator_state_round_trip(xp):
+    g = mt.Generator(7, device=_device(xp))
+    g.random((4,), np.float64)  # move away from the seed first
+    state = g.get_state()
+    state = pickle.loads(pickle.dumps(state))  # plain data: survives a checkpoint
+    json.dumps(state)
+    a = backend.to_numpy(g.random((6,), np.float32))
+    b = backend.to_numpy(g.random((2, 3), np.float64))
+    g.set_state(state)
+    assert (backend.to_numpy(g.random((6,), np.float32)) == a).all()
+    assert (backend.to_numpy(g.random((2, 3), np.float64)) == b).all()
+    # a fresh generator with another seed takes the state over completely
+    h = mt.Generator(999, device=_device(xp))
+    h.set_state(copy.deepcopy(state))
+    assert (backend.to_numpy(h.random((6,), np.float32)) == a).all()
+
+
+# ---- CPU BLAS -----------------------------------------------------------------------------------
+AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
+
+
+def _cpuinfo(tmp_path, flags, processors=2):
+    text = "".join(f"processor\t: {i}\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse sse2 avx "
+                   f"avx2 {flags}\n\n" for i in range(processors))
+    path = tmp_path / "cpuinfo"
+    path.write_text(text)
+    return str(path)
+
+
+def test_blas_skylakex_when_all_four_avx512_flags(tmp_path):
+    env = {}
+    assert configure_cpu_blas(env, _cpuinfo(tmp_path, AVX512)) == "SkylakeX"
+    assert env == {"OPENBLAS_CORETYPE": "SkylakeX"}
+
+
+@pytest.mark.parametrize("missing", ["avx512f", "avx512bw", "avx512dq", "avx512vl"])
+def test_blas_untouched_when_an_avx512_flag_is_missing(tmp_path, missing):
+    flags = " ".join(f for f in AVX512.split() if f != missing)
+    env = {"PATH": "/bin"}
+    assert configure_cpu_blas(env, _cpuinfo(tmp_path, flags)) is None
+    assert env == {"PATH": "/bin"}
+
+
+def test_blas_flags_are_whole_words(tmp_path):
+    """'avx512vl' must be a flag of its own, not a prefix of another one."""
+    flags = "avx512f avx512dq avx512bw avx512vlx avx512_vl"
+    env = {}
+    assert configure_cpu_blas(env, _cpuinfo(tmp_path, flags)) is None
+    assert env == {}
+
+
+def test_blas_keeps_the_users_value(tmp_path):
+    env = {"OPENBLAS_CORETYPE": "Haswell"}
+    assert configure_cpu_blas(env, _cpuinfo(tmp_path, AVX512)) == "Haswell"
+    assert env == {"OPENBLAS_CORETYPE": "Haswell"}
+
+
+def test_blas_without_cpuinfo(tmp_path):
+    env = {}
+    assert configure_cpu_blas(env, str(tmp_path / "does-not-exist")) is None
+    (tmp_path / "noflags").write_text("processor\t: 0\nmodel name\t: something\n")
+    assert configure_cpu_blas(env, str(tmp_path / "noflags")) is None
+    assert env == {}
