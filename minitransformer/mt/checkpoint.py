@@ -20,11 +20,11 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 
 import numpy as np
 
 from ..nn.transformer import TransformerConfig
+from .fileio import atomic_write, atomic_write_text  # noqa: F401 (re-exported)
 
 
 class CheckpointError(ValueError):
@@ -34,26 +34,6 @@ class CheckpointError(ValueError):
 def file_sha256(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def atomic_write(path, write):
-    """Call ``write(fileobj)`` on a temporary file next to ``path``, then rename it over ``path``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path, text):
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def save_checkpoint(path, model, optimizer=None, meta=None):

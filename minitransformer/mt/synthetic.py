@@ -48,6 +48,8 @@ the default corpus (about 1.6 pieces a word, inflections split off).
 import os
 import random
 
+from .fileio import atomic_write_text
+
 # (source singular, source plural, target stem, gender)
 NOUNS = [
     ("dog", "dogs", "vorn", "m"), ("cat", "cats", "misel", "f"), ("horse", "horses", "tarak", "m"),
@@ -240,6 +242,5 @@ def write_corpus(directory, seed=1234, n_train=20000, n_valid=500, n_test=500):
         paths[split] = (os.path.join(directory, f"{split}.src"),
                         os.path.join(directory, f"{split}.tgt"))
         for path, lines in zip(paths[split], (src_lines, tgt_lines)):
-            with open(path, "w", encoding="utf-8", newline="\n") as f:
-                f.write("".join(line + "\n" for line in lines))
+            atomic_write_text(path, "".join(line + "\n" for line in lines))
     return paths

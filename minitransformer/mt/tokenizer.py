@@ -17,6 +17,7 @@ import numpy as np
 import sentencepiece as spm
 
 from .data import DataError
+from .fileio import atomic_write, atomic_write_text
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 QUIET = 2  # sentencepiece's minloglevel: 0 info, 1 warning, 2 error
@@ -72,20 +73,17 @@ def train_sentencepiece(input_files, model_prefix, vocab_size, model_type="unigr
         if too_low:
             raise DataError(f"--vocab-size {vocab_size} is too small: the text needs "
                             f"{too_low.group(2)} pieces for its characters and the 4 special "
-                            f"ids. Use --vocab-size {too_low.group(2)} or more (or a lower "
-                            "--character-coverage).") from None
+                            f"ids. Use --vocab-size {too_low.group(2)} or more).") from None
         if "sentences_.empty()" in message:
             raise DataError(f"{', '.join(input_files)}: no text to train the sentencepiece "
                             "model on") from None
         raise DataError(f"sentencepiece training on {', '.join(input_files)} failed: "
                         f"{message}") from None
 
-    with open(model_prefix + ".model", "wb") as f:
-        f.write(model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    with open(model_prefix + ".vocab", "w", encoding="utf-8") as f:
-        f.write("".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n"
-                        for i in range(sp.get_piece_size())))
+    atomic_write_text(model_prefix + ".vocab", "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n"
+                                                       for i in range(sp.get_piece_size())))
+    atomic_write(model_prefix + ".model", lambda f: f.write(model.getvalue()))
     return model_prefix + ".model"
 
 

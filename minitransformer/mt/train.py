@@ -209,7 +209,7 @@ class Trainer:
         self.model = Transformer(self.cfg, seed=args.seed, device=device)
         self.params = self.model.parameters()
         self.optim = Adam(self.params, lr=0.0, betas=tuple(args.adam_betas), eps=args.adam_eps)
-        self.update, self.best_bleu, self.epoch_tokens = 0, -1.0, 0
+        self.update, self.best_bleu = 0, -1.0
         self.train_time = 0.0
         if args.resume:
             self._load(resume_path)
@@ -226,15 +226,16 @@ class Trainer:
                                      f"{getattr(self.args, name)!r} differs from the run being "
                                      f"resumed ({old!r} in {self.run_dir}/config.json); drop the "
                                      "flag or start a new --run-dir")
-        for name in ("preset", "vocab_size", "data", "src_lang", "tgt_lang", "seed", "spm_type",
-                     "synthetic_pairs", "max_len", "max_tokens", "train_split"):
-            if name in saved["train"]:
-                setattr(self.args, name, saved["train"][name])
+        # everything else the run was started with, unless given again on this command line
+        for name, value in saved["train"].items():
+            if name not in self.args.explicit:
+                setattr(self.args, name, value)
 
     def _train_options(self):
         keep = ("preset", "data", "src_lang", "tgt_lang", "train_split", "valid_split",
                 "test_split", "vocab_size", "spm_type", "max_tokens", "max_len", "seed",
-                "lr_factor", "warmup", "update_freq", "clip_norm", "synthetic_pairs")
+                "lr_factor", "warmup", "update_freq", "clip_norm", "synthetic_pairs",
+                "adam_betas", "adam_eps")
         return {k: getattr(self.args, k) for k in keep}
 
     def _prepare_data(self):
@@ -243,7 +244,9 @@ class Trainer:
             from .synthetic import write_corpus
             a.src_lang, a.tgt_lang = a.src_lang or "src", a.tgt_lang or "tgt"
             data_dir = os.path.join(self.run_dir, "data")
-            if self.main and not os.path.exists(os.path.join(data_dir, "train.src")):
+            complete = all(os.path.exists(os.path.join(data_dir, f"{split}.{side}"))
+                           for split in ("train", "valid", "test") for side in ("src", "tgt"))
+            if self.main and not complete:
                 os.makedirs(data_dir, exist_ok=True)
                 write_corpus(data_dir, seed=1234, n_train=a.synthetic_pairs)
             if self.comm:
