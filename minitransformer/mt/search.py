@@ -108,45 +108,39 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=50, length_penalty="gnm
             _forbid(logp, model.cfg)
             n, V = len(alive), logp.shape[-1]
             cand = (scores[:, :, None] + logp.reshape(n, k, V)).reshape(n, k * V)
+            # the 2k best candidates of each sentence, best first: at most k of them end in
+            # EOS (one per beam), so at least k continue
             m = min(2 * k, k * V)
             top = np.argpartition(-cand, m - 1, axis=1)[:, :m]
-            top = np.take_along_axis(top, np.argsort(-np.take_along_axis(cand, top, 1),
-                                                     axis=1, kind="stable"), 1)
+            top_scores = np.take_along_axis(cand, top, 1)
+            order = np.argsort(-top_scores, axis=1, kind="stable")
+            top, top_scores = np.take_along_axis(top, order, 1), np.take_along_axis(top_scores, order, 1)
+            prev, tok = np.divmod(top, V)
+            ends = (tok == eos) & np.isfinite(top_scores)
             t += 1
-            new_tokens = np.zeros((n, k, t), dtype=np.int64)
-            new_scores = np.full((n, k), -np.inf)
-            src_rows = np.zeros((n, k), dtype=np.int64)
-            keep_blocks = []
-            for i in range(n):
-                b, filled = alive[i], 0
-                for rank, c in enumerate(top[i]):
-                    s = cand[i, c]
-                    if not np.isfinite(s):
-                        break
-                    prev, tok = divmod(int(c), V)
-                    if tok == eos:
-                        if rank < k:  # EOS counts only among the k best candidates
-                            lp = _length_penalty(t - 1, alpha, length_penalty)
-                            finished[b].append((s / lp, tokens[i, prev].tolist()))
-                        continue
-                    if filled < k:
-                        new_tokens[i, filled, :-1] = tokens[i, prev]
-                        new_tokens[i, filled, -1] = tok
-                        new_scores[i, filled], src_rows[i, filled] = s, i * k + prev
-                        filled += 1
-                if t >= limit[b]:  # maximum length: finish the live hypotheses as they are
-                    lp = _length_penalty(t, alpha, length_penalty)
-                    finished[b].extend((new_scores[i, j] / lp, new_tokens[i, j].tolist())
-                                       for j in range(filled))
-                elif len(finished[b]) < k and filled:
-                    keep_blocks.append(i)
-            if not keep_blocks:
+            lp = _length_penalty(t - 1, alpha, length_penalty)
+            for i, r in zip(*np.nonzero(ends[:, :k])):  # EOS counts only among the k best
+                finished[alive[i]].append((top_scores[i, r] / lp, tokens[i, prev[i, r]].tolist()))
+            # the k best candidates that do not end: a stable sort puts non-EOS first
+            pick = np.argsort(tok == eos, axis=1, kind="stable")[:, :k]
+            prev, tok = np.take_along_axis(prev, pick, 1), np.take_along_axis(tok, pick, 1)
+            new_scores = np.take_along_axis(top_scores, pick, 1)
+            new_tokens = np.concatenate([np.take_along_axis(tokens, prev[:, :, None], 1),
+                                         tok[:, :, None]], axis=2)  # (n, k, t)
+            at_limit = t >= limit[alive]
+            lp = _length_penalty(t, alpha, length_penalty)
+            for i in np.nonzero(at_limit)[0]:  # maximum length: finish the live ones as they are
+                finished[alive[i]].extend((new_scores[i, j] / lp, new_tokens[i, j].tolist())
+                                          for j in range(k) if np.isfinite(new_scores[i, j]))
+            open_ = ~at_limit & np.isfinite(new_scores[:, 0]) & \
+                np.array([len(finished[b]) < k for b in alive], dtype=bool)
+            kb = np.nonzero(open_)[0]
+            if not len(kb):
                 break
-            kb = np.array(keep_blocks)
             if len(kb) < n:
                 block_rows = xp.asarray((kb[:, None] * k + np.arange(k)).reshape(-1))
                 memory, src_mask = Tensor(memory.data[block_rows]), src_mask[block_rows]
-            _select(cache, xp.asarray(src_rows[kb].reshape(-1)))
+            _select(cache, xp.asarray((kb[:, None] * k + prev[kb]).reshape(-1)))
             alive, tokens, scores = alive[kb], new_tokens[kb], new_scores[kb]
             last = xp.asarray(tokens[:, :, -1].reshape(-1, 1)).astype(src.dtype)
         results = []
