@@ -20,6 +20,7 @@ from minitransformer.engine import FUNCTIONS, Function, ops
 from minitransformer.engine.attention import ScaledDotProductAttention
 from minitransformer.engine.cross_entropy import SoftmaxCrossEntropy
 from minitransformer.engine.layernorm import LayerNorm
+from minitransformer.engine.linear_cross_entropy import LinearCrossEntropy
 from minitransformer.engine.softmax import LogSoftmax, Softmax
 
 DROPOUT_SEED = 7
@@ -349,6 +350,15 @@ CASES = [
     Case("cross_entropy_plain", SoftmaxCrossEntropy, _r(6, 5),
          lambda z: F.softmax_cross_entropy(z, _targets(z).reshape(-1))[0],
          lambda z: naive_cross_entropy(z, CE_TARGETS, 0.0, None, "others")),
+    Case("linear_cross_entropy_vd", LinearCrossEntropy,
+         lambda A, dt: [A.randn(2, 3, 4, dtype=dt), A.randn(5, 4, dtype=dt)],
+         lambda h, w: F.linear_cross_entropy(h, w, _targets(h), 0.1, pad_idx=0)[0],
+         lambda h, w: naive_cross_entropy(h @ w.T, CE_TARGETS, 0.1, 0, "others")),
+    Case("linear_cross_entropy_dv", LinearCrossEntropy,
+         lambda A, dt: [A.randn(2, 3, 4, dtype=dt), A.randn(4, 5, dtype=dt)],
+         lambda h, w: F.linear_cross_entropy(h, w, _targets(h), 0.2, pad_idx=0,
+                                             smoothing="uniform", layout="dv")[0],
+         lambda h, w: naive_cross_entropy(h @ w, CE_TARGETS, 0.2, 0, "uniform")),
 ]
 IDS = [c.id for c in CASES]
 

@@ -290,3 +290,29 @@ def test_cross_entropy_rejects_bad_arguments(xp, arrays):
         F.softmax_cross_entropy(z, arrays.asarray(np.array([1, 2])))
     with pytest.raises(ValueError, match="smoothing"):
         F.softmax_cross_entropy(z, arrays.asarray(np.ones((2, 3), int)), 0.1, smoothing="bogus")
+
+
+# ---- LinearCrossEntropy (pre-softmax projection + loss, chunked) --------------------------------
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+@pytest.mark.parametrize("chunk", [None, 7])  # 7 logits per chunk: one row at a time
+def test_linear_cross_entropy_equals_projection_then_loss(xp, arrays, assert_close, monkeypatch,
+                                                          layout, chunk):
+    import importlib  # (the package's attribute of that name is the function)
+    lce = importlib.import_module("minitransformer.engine.linear_cross_entropy")
+    if chunk:
+        monkeypatch.setattr(lce, "CHUNK_ELEMENTS", chunk)
+    V, D = 6, 5
+    t = arrays.asarray(TARGETS)
+    w_shape = (V, D) if layout == "vd" else (D, V)
+
+    def composed(h, w):
+        logits = F.linear(h, F.transpose(w) if layout == "vd" else w)
+        return F.softmax_cross_entropy(logits, t, 0.1, pad_idx=0)[0]
+    assert_same(lambda h, w: F.linear_cross_entropy(h, w, t, 0.1, pad_idx=0, layout=layout)[0],
+                composed, [arrays.randn(2, 4, D), arrays.randn(*w_shape)], arrays,
+                assert_close, f"linear cross-entropy {layout}")
+    h, w = Tensor(arrays.randn(2, 4, D)), Tensor(arrays.randn(*w_shape))
+    with mt.no_grad():  # the loss alone (no gradient work) is the same number
+        a, n = F.linear_cross_entropy(h, w, t, 0.1, pad_idx=0, layout=layout)
+    assert n == int((TARGETS != 0).sum())
+    assert_close(a, composed(h, w), RTOL, ATOL, "no_grad value")

@@ -17,7 +17,7 @@ import numpy as np
 from .. import backend
 from ..engine import ops
 from ..engine.attention import scaled_dot_product_attention
-from ..engine.cross_entropy import softmax_cross_entropy
+from ..engine.linear_cross_entropy import linear_cross_entropy
 from ..engine.tensor import Tensor, no_grad
 from .module import Dropout, LayerNorm, Linear, Module, parameter
 
@@ -299,10 +299,18 @@ class Transformer(Module):
         return self.logits(self.decode(tgt_in, memory, src_mask))
 
     def loss(self, src, tgt_in, tgt_out):
-        """Summed label-smoothed cross-entropy over non-padding targets, and their count."""
-        logits = self(src, tgt_in)
-        return softmax_cross_entropy(logits, self.ids(tgt_out), self.cfg.label_smoothing,
-                                     pad_idx=self.cfg.pad_id, smoothing=self.cfg.smoothing)
+        """Summed label-smoothed cross-entropy over non-padding targets, and their count.
+
+        The pre-softmax projection and the loss run as one fused Function
+        (engine/linear_cross_entropy.py), so the (B, T, V) logits are never stored.
+        """
+        memory, src_mask = self.encode(src)
+        h = self.decode(tgt_in, memory, src_mask)
+        cfg = self.cfg
+        weight, layout = (self.embedding, "vd") if cfg.share_embeddings else \
+            (self.out_proj.weight, "dv")
+        return linear_cross_entropy(h, weight, self.ids(tgt_out), cfg.label_smoothing,
+                                    pad_idx=cfg.pad_id, smoothing=cfg.smoothing, layout=layout)
 
     def new_cache(self):
         return [{} for _ in self.decoder]

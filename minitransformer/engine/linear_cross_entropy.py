@@ -1,0 +1,81 @@
+"""Pre-softmax projection and label-smoothed cross-entropy, fused: one node on the tape.
+
+For decoder states h (N, D), the output weight W and targets t (N,), the loss is
+    z = h W^T                                 logits (N, V); W is (V, D), e.g. the shared
+                                              embedding (§3.4), or (D, V) with layout="dv"
+    loss = sum over non-padding n of  lse(z_n) - c_o * sum_v z_nv - (c_t - c_o) * z_n,t_n
+exactly as in ``cross_entropy.py`` (same smoothing weights c_t, c_o).
+Its gradient is known as soon as the logits are: with dz = (softmax(z) - q) * [t != pad],
+    dh = dz W,    dW = dz^T h        (for layout "dv": dh = dz W^T, dW = h^T dz)
+so the forward pass walks the rows in chunks, computes each chunk's logits, loss and dz,
+folds dz into dh and dW, and frees it: the (N, V) logits never exist all at once, which is
+the largest block of memory of a small model. Backward only scales dh and dW by the
+upstream gradient. Under no_grad (validation) the gradient part is skipped.
+The result equals ``softmax_cross_entropy(linear(h, W^T), t)`` (tested in test_fused.py).
+"""
+from .. import backend
+from .cross_entropy import smoothing_weights
+from .tensor import Function, Tensor, is_grad_enabled
+
+CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MiB in float32)
+
+
+class LinearCrossEntropy(Function):
+    def forward(self, h, w, t):
+        xp = backend.get_array_module(h)
+        D = h.shape[-1]
+        h2, t = h.reshape(-1, D), t.reshape(-1)
+        dv = self.layout == "dv"
+        V = w.shape[1] if dv else w.shape[0]
+        c_t, c_o = smoothing_weights(self.eps, V, self.smoothing)
+        one = h.dtype.type(1)
+        valid = (t != self.pad_idx) if self.pad_idx is not None else xp.ones(t.shape, bool)
+        tc = xp.where(valid, t, 0)
+        if self.compute_grad:
+            self.dh = xp.empty_like(h2)
+            self.dw = xp.zeros_like(w)
+        total = xp.zeros((), dtype=h.dtype)
+        rows = max(1, CHUNK_ELEMENTS // V)
+        for a in range(0, h2.shape[0], rows):
+            hc, tcc, vc = h2[a:a + rows], tc[a:a + rows], valid[a:a + rows]
+            z = hc @ w if dv else hc @ w.T  # (n, V)
+            r = xp.arange(z.shape[0])
+            z_t, z_sum = z[r, tcc], z.sum(axis=1)
+            m = z.max(axis=1, keepdims=True)
+            z -= m
+            xp.exp(z, out=z)  # z is now exp(z - max)
+            s = z.sum(axis=1, keepdims=True)
+            lse = m[:, 0] + xp.log(s[:, 0])
+            total += ((lse - c_o * z_sum - (c_t - c_o) * z_t) * vc).sum()
+            if self.compute_grad:
+                z *= one / s  # softmax(z)
+                z -= h.dtype.type(c_o)
+                z[r, tcc] -= h.dtype.type(c_t - c_o)  # dz = p - q
+                z *= vc[:, None]
+                self.dh[a:a + rows] = z @ (w.T if dv else w)
+                self.dw += (hc.T @ z) if dv else (z.T @ hc)
+        self.h_shape = h.shape
+        return total
+
+    def backward(self, dloss):
+        g = dloss.astype(self.dh.dtype)
+        return (self.dh * g).reshape(self.h_shape), self.dw * g, None
+
+
+def linear_cross_entropy(h, weight, targets, label_smoothing=0.0, pad_idx=None,
+                         smoothing="others", layout="vd"):
+    """Summed label-smoothed cross-entropy of the logits h W^T (layout 'vd', W (V, D)) or
+    h W (layout 'dv', W (D, V)), without materialising them. -> (loss_sum, n_tokens)."""
+    t = targets.data if isinstance(targets, Tensor) else targets
+    xp = backend.get_array_module(t)
+    V = weight.shape[1] if layout == "dv" else weight.shape[0]
+    if t.shape != h.shape[:-1]:
+        raise ValueError(f"targets shape {t.shape} does not match decoder states {h.shape[:-1]}")
+    valid = t != pad_idx if pad_idx is not None else xp.ones(t.shape, bool)
+    if t.size and (int(xp.where(valid, t, 0).max()) >= V or int(xp.where(valid, t, 0).min()) < 0):
+        raise ValueError(f"a target id is outside the vocabulary [0, {V})")
+    compute_grad = is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    loss = LinearCrossEntropy.apply(h, weight, Tensor(t), eps=float(label_smoothing),
+                                    pad_idx=pad_idx, smoothing=smoothing, layout=layout,
+                                    compute_grad=compute_grad)
+    return loss, int(valid.sum())
