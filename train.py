@@ -1,8 +1,15 @@
 #!/usr/bin/env python
-"""Train a Transformer: see `python train.py --help` and the README."""
+"""Train a Transformer: see `python train.py --help` and the README.
+
+`mpiexec -n N python train.py ...` trains data-parallel on N ranks (README: "Multiple
+processes and GPUs"); plain `python train.py ...` is one process.
+"""
 import sys
 
+from minitransformer.mt.distributed import abort_on_error, init_from_env
 from minitransformer.mt.train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    comm = init_from_env()  # None unless started by mpiexec / srun
+    with abort_on_error(comm):  # one failing rank ends the job instead of hanging the others
+        sys.exit(main(comm=comm))
