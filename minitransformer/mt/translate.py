@@ -106,8 +106,15 @@ def main(argv=None):
         return 2
     lines = read_lines(args.input)
     if args.plot_attention:
-        from .plots import plot_attention
-        plot_attention(model, tok, [line for line in lines if line.strip()], args.plot_attention)
+        from .plots import PlotError, plot_attention
+        try:
+            written = plot_attention(model, tok, [line for line in lines if line.strip()],
+                                     args.plot_attention, max_len_a=args.max_len_a)
+        except PlotError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {len(written)} attention heatmaps to {args.plot_attention}",
+              file=sys.stderr)
     hyps = translate_lines(model, tok, lines, beam=args.beam, alpha=args.alpha,
                            max_len_a=args.max_len_a, max_tokens=args.max_tokens,
                            length_penalty=args.length_penalty)

@@ -1,0 +1,245 @@
+"""Pictures of a run: learning curves from metrics.jsonl, and attention heatmaps.
+
+    python -m minitransformer.mt.plots --run-dir runs/ende              # -> runs/ende/curves.png
+    python -m minitransformer.mt.plots --metrics runs/ende/metrics.jsonl --output curves.png
+    python translate.py --run-dir runs/ende --input some.en --plot-attention attn/
+
+matplotlib is optional (``pip install -e .[plot]``). Figures are drawn on matplotlib's
+non-interactive Agg canvas directly (no pyplot), so nothing changes the backend or the global
+state of a program (or notebook) that imports this module.
+
+Attention maps come from the model itself: ``Transformer.set_attention_store`` makes every
+attention module record its probabilities (B, H, T, S) during one teacher-forced forward pass.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from ..engine.tensor import no_grad
+from .search import greedy_search
+
+MAX_SENTENCES = 8  # plot_attention draws the first 8 sentences: 3 * n_layers files each
+KINDS = (  # (store key pattern, file name part, title, query side, key side)
+    ("encoder.{i}.self_attn", "enc-self", "encoder self-attention", "src", "src"),
+    ("decoder.{i}.self_attn", "dec-self", "decoder self-attention", "tgt", "tgt"),
+    ("decoder.{i}.cross_attn", "enc-dec", "encoder-decoder attention", "tgt", "src"),
+)
+
+
+class PlotError(RuntimeError):
+    """matplotlib is missing, or the input to plot is missing or unreadable (named in the text)."""
+
+
+def _figure(width, height, layout=None):
+    """A matplotlib Figure on an Agg canvas (PNG output, no display, no pyplot)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotError("plotting needs matplotlib, which is not installed: "
+                        "pip install -e .[plot]  (or: pip install matplotlib)") from None
+    fig = Figure(figsize=(width, height), layout=layout)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+# ----------------------------------------------------------------------------- learning curves
+
+def read_metrics(path):
+    """metrics.jsonl -> (train, valid): lists of records sorted by update.
+
+    Training records have "loss"; validation records have "valid_loss" and "valid_bleu". A
+    resumed run may log an update twice; the later record wins.
+    """
+    if not os.path.isfile(path):
+        raise PlotError(f"{path}: no such metrics file (train.py writes RUN_DIR/metrics.jsonl)")
+    train, valid = {}, {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PlotError(f"{path}, line {number}: not JSON ({exc.msg})") from None
+            if not isinstance(rec, dict) or "update" not in rec:
+                continue
+            if "loss" in rec:
+                train[rec["update"]] = rec
+            if "valid_loss" in rec:
+                valid[rec["update"]] = rec
+    if not train and not valid:
+        raise PlotError(f"{path}: no training or validation records (is the file empty, or "
+                        "did the run stop before its first logged update?)")
+    return [train[u] for u in sorted(train)], [valid[u] for u in sorted(valid)]
+
+
+def plot_curves(metrics_path, out_png):
+    """Loss (training and validation) and validation BLEU against updates -> ``out_png``."""
+    train, valid = read_metrics(metrics_path)
+    fig = _figure(11, 4)
+    ax_loss, ax_bleu = fig.subplots(1, 2)
+    if train:
+        ax_loss.plot([r["update"] for r in train], [r["loss"] for r in train],
+                     label="training", lw=1)
+    if valid:
+        ax_loss.plot([r["update"] for r in valid], [r["valid_loss"] for r in valid], "o-",
+                     label="validation", ms=3)
+        ax_bleu.plot([r["update"] for r in valid], [r.get("valid_bleu", math.nan) for r in valid],
+                     "o-", color="C2", ms=3)
+    else:
+        ax_bleu.text(0.5, 0.5, "no validation records", ha="center", va="center",
+                     transform=ax_bleu.transAxes)
+    ax_loss.set(xlabel="update", ylabel="loss per target token (label-smoothed)", title="loss")
+    ax_loss.legend()
+    ax_bleu.set(xlabel="update", ylabel="BLEU", title="validation BLEU (greedy)")
+    for ax in (ax_loss, ax_bleu):
+        ax.grid(alpha=0.3)
+    fig.suptitle(metrics_path, fontsize=9)
+    fig.tight_layout()
+    if os.path.dirname(os.path.abspath(out_png)):
+        os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return out_png
+
+
+# ----------------------------------------------------------------------------- attention maps
+
+def attention_labels(tokenizer, src_ids, out_ids):
+    """Axis labels: source pieces + "</s>" (encoder side), "<s>" + output pieces (decoder
+    queries: the tokens fed to the decoder, each predicting the next one)."""
+    src = [tokenizer.id_to_piece(i) for i in src_ids] + ["</s>"]
+    tgt = ["<s>"] + [tokenizer.id_to_piece(i) for i in out_ids]
+    return src, tgt
+
+
+def attention_maps(model, tokenizer, line, max_len_a=50):
+    """Translate ``line`` greedily (at most source length + ``max_len_a`` tokens), then record
+    the attention of one teacher-forced pass.
+
+    -> {"source": line, "src_ids", "out_ids", "src_labels" (S,), "tgt_labels" (T,),
+        "maps": {"encoder.{i}.self_attn": (H, S, S), "decoder.{i}.self_attn": (H, T, T),
+                 "decoder.{i}.cross_attn": (H, T, S)}}
+    with S = source pieces + EOS and T = BOS + output pieces.
+    """
+    cfg = model.cfg
+    src_ids = tokenizer.encode([line])[0]
+    src = np.array([src_ids + [cfg.eos_id]], dtype=np.int64)  # (1, S)
+    was_training = model.training
+    store = {}
+    try:
+        out_ids = greedy_search(model, src, max_len_a=max_len_a)[0]  # switches to eval mode
+        tgt_in = np.array([[cfg.bos_id] + out_ids], dtype=np.int64)  # (1, T)
+        model.eval()  # no dropout in the recorded pass
+        model.set_attention_store(store)
+        with no_grad():
+            memory, src_mask = model.encode(src)
+            model.decode(tgt_in, memory, src_mask)
+    finally:
+        model.set_attention_store(None)
+        model.train(was_training)
+    src_labels, tgt_labels = attention_labels(tokenizer, src_ids, out_ids)
+    maps = {name: arrays[0][0] for name, arrays in store.items()}  # one pass: (H, T, S) of row 0
+    return {"source": line, "src_ids": src_ids, "out_ids": out_ids, "src_labels": src_labels,
+            "tgt_labels": tgt_labels, "maps": maps}
+
+
+def _heads_figure(maps, ylabels, xlabels, title, head_title):
+    """One figure: a grid of heatmaps, one per head, maps (H, Tq, Tk), rows = queries.
+
+    One colour scale for all heads of the figure, from 0 to their largest weight (with a
+    colour bar), so weak heads stay visible and heads stay comparable.
+    """
+    H = maps.shape[0]
+    ncols = min(H, 4)
+    nrows = math.ceil(H / ncols)
+    cell = 0.25  # inches per token
+    w = max(3.0, cell * len(xlabels) + 1.2)  # + tick labels
+    h = max(3.0, cell * len(ylabels) + 1.6)  # + tick labels and the head's title
+    fig = _figure(w * ncols + 1.0, h * nrows + 0.8, layout="constrained")  # + colour bar, title
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    vmax = float(maps.max()) or 1.0
+    for head, ax in enumerate(axes):
+        if head >= H:
+            ax.axis("off")
+            continue
+        im = ax.imshow(maps[head], cmap="viridis", vmin=0.0, vmax=vmax, aspect="equal",
+                       interpolation="nearest")
+        ax.set_xticks(range(len(xlabels)))
+        ax.set_xticklabels(xlabels, rotation=90, fontsize=8)
+        ax.set_yticks(range(len(ylabels)))
+        ax.set_yticklabels(ylabels, fontsize=8)
+        ax.set_title(f"{head_title}, head {head}", fontsize=9)
+    fig.colorbar(im, ax=list(axes), shrink=0.6, label="attention weight")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot_attention(model, tokenizer, lines, out_dir, max_sentences=MAX_SENTENCES, max_len_a=50):
+    """Attention heatmaps for the first ``max_sentences`` (8) of ``lines`` -> list of PNG paths.
+
+    Each sentence is translated greedily (``max_len_a`` as in translate.py), then its attention
+    is recorded in one teacher-forced pass. Per sentence n and layer i there are three PNGs,
+    each a grid of the H heads:
+        sent{n}_enc-self_layer{i}.png   encoder self-attention   (source x source)
+        sent{n}_dec-self_layer{i}.png   decoder self-attention   (output x output, causal)
+        sent{n}_enc-dec_layer{i}.png    encoder-decoder attention (output x source)
+    Rows are queries, columns keys; each row sums to 1. Labels are sentencepiece pieces
+    ("▁" starts a word). sent{n}.txt holds the sentence and its translation.
+    """
+    _figure(1, 1)  # fail on a missing matplotlib before translating anything
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        raise PlotError("plot_attention: no non-empty sentence to plot")
+    if len(lines) > max_sentences:
+        print(f"plot_attention: plotting the first {max_sentences} of {len(lines)} sentences",
+              file=sys.stderr)
+        lines = lines[:max_sentences]
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for n, line in enumerate(lines, 1):
+        rec = attention_maps(model, tokenizer, line, max_len_a)
+        labels = {"src": rec["src_labels"], "tgt": rec["tgt_labels"]}
+        text = os.path.join(out_dir, f"sent{n}.txt")
+        with open(text, "w", encoding="utf-8") as f:
+            f.write(f"source: {line}\n"
+                    f"translation (greedy): {tokenizer.decode([rec['out_ids']])[0]}\n")
+        for i in range(model.cfg.n_layers):
+            for key, part, title, q_side, k_side in KINDS:
+                fig = _heads_figure(rec["maps"][key.format(i=i)], labels[q_side], labels[k_side],
+                                    f"sentence {n}: {title}, layer {i}  (rows: queries, "
+                                    f"columns: keys)\n{line}", f"{part} layer {i}")
+                path = os.path.join(out_dir, f"sent{n}_{part}_layer{i}.png")
+                fig.savefig(path, dpi=100)
+                written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------------------- command line
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m minitransformer.mt.plots",
+                                description="Plot training and validation loss and validation "
+                                            "BLEU of a run against updates.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--metrics", help="a run's metrics.jsonl")
+    src.add_argument("--run-dir", help="a training run directory (reads RUN_DIR/metrics.jsonl)")
+    p.add_argument("--output", help="PNG to write (default: curves.png next to metrics.jsonl)")
+    args = p.parse_args(argv)
+    metrics = args.metrics or os.path.join(args.run_dir, "metrics.jsonl")
+    out = args.output or os.path.join(os.path.dirname(os.path.abspath(metrics)), "curves.png")
+    try:
+        plot_curves(metrics, out)
+    except PlotError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
