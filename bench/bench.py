@@ -1,0 +1,656 @@
+"""Training and decoding speed, peak memory and MFU of minitransformer against the same model
+in PyTorch, measured in one run.
+
+    python bench/bench.py --config tiny          # ~2-3 minutes on 2 cores
+    python bench/bench.py --config base-lite     # ~5 minutes with the default 3 + 8 steps
+    python bench/bench.py --all                  # both; then bench/RESULTS.md
+    python bench/bench.py --config tiny --device cuda    # CuPy against torch on CUDA (eager)
+
+How it measures (details in bench/RESULTS.md, "Method"):
+* Each framework runs in its own worker process (so ru_maxrss is its own peak); the parent
+  drives both step by step and alternates them (ours, torch, torch, ours, ...), so noise from
+  other processes on the machine hits both alike. The idle worker waits on a pipe.
+* Both get the same synthetic batches (built from one seed in each worker; their hashes are
+  compared) and the same initial weights (ours writes them, torch loads them), and their
+  no-dropout loss on the first batch is compared before training starts.
+* Training: one step = forward, backward of loss_sum / n_tokens, Adam (0.9, 0.98, 1e-9) with
+  the paper's learning rate at that step. Target tokens/s = non-padding target tokens / step
+  time; median over the steps after the warm-up ones.
+* Decoding: the initial weights are reloaded; greedy and beam (4, alpha 0.6) search with a
+  key/value cache on the same sentences, batched as translate.py does. Maximum length =
+  source length + ``--max-len-a`` (default 0): an untrained model rarely emits EOS, so both
+  decode (nearly) every sentence to that length, which is about a real translation's length.
+"""
+import os
+import sys
+
+if sys.argv[1:3] != ["--worker", "torch"]:
+    # Sets OPENBLAS_CORETYPE before numpy loads OpenBLAS; the torch worker inherits the
+    # environment and never imports minitransformer (its memory is torch's alone).
+    import minitransformer  # noqa: F401
+
+import argparse
+import cProfile
+import datetime
+import importlib.util
+import io
+import json
+import pstats
+import subprocess
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+import common
+import report
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WARMUP_LR_STEPS = 4000  # the paper's warm-up, for noam_lr; both frameworks use the same lr
+
+
+# ==== workers ==================================================================================
+class Runner:
+    """What both workers share: data, step bookkeeping. Subclasses supply the framework."""
+
+    def __init__(self, args):
+        self.args, self.name = args, args.config
+        spec = common.CONFIGS[args.config]
+        self.cfg = {**common.model_config(args.config), "max_positions": 1024}
+        n_batches = args.warmup + args.steps
+        V = self.cfg["vocab_size"]
+        self.batches = common.training_batches(n_batches, V, spec["max_tokens"], args.seed)
+        self.decode_srcs = common.decode_batches(args.decode_sentences, V, args.seed + 1,
+                                                 args.decode_max_tokens)
+        self.step_count = 0
+
+    def setup(self):
+        fp = common.fingerprint([a for b in self.batches for a in b.values()])
+        fp_dec = common.fingerprint(self.decode_srcs)
+        rss_data = common.max_rss_mib()
+        self.build()
+        return dict(batches=fp, decode=fp_dec, rss_setup_mib=rss_data,
+                    n_params=self.n_params(), **self.versions())
+
+    def train_step(self, i):
+        b = self.batches[i % len(self.batches)]
+        self.step_count += 1
+        lr = noam_lr(self.step_count, self.cfg["d_model"], WARMUP_LR_STEPS)
+        self.sync()
+        t0 = time.perf_counter()
+        loss, n = self.step(b, lr)
+        self.sync()
+        dt = time.perf_counter() - t0
+        B, S = b["src"].shape
+        T = b["tgt_in"].shape[1]
+        return dict(seconds=dt, loss_per_token=loss / n, tokens=n, B=B, S=S, T=T,
+                    src_tokens=int((b["src"] != self.cfg["pad_id"]).sum()))
+
+    def decode(self, kind, warmup=False):
+        srcs = [self.decode_srcs[0][:8]] if warmup else self.decode_srcs
+        out = []
+        self.sync()
+        t0 = time.perf_counter()
+        for src in srcs:
+            out += self.search(kind, src)
+        self.sync()
+        dt = time.perf_counter() - t0
+        return dict(seconds=dt, sentences=sum(len(s) for s in srcs),
+                    out_tokens=sum(len(o) for o in out), outputs=out)
+
+    def quit(self):
+        return dict(bye=True)
+
+
+def noam_lr(step, d_model, warmup):
+    """The package's schedule (imported in the ours worker, written out in the torch one)."""
+    step = max(int(step), 1)
+    return d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+class OursRunner(Runner):
+    def build(self):
+        import minitransformer.nn.transformer as tr
+        from minitransformer.optim import Adam, noam_lr as package_lr
+        assert package_lr(7, 512, 4000) == noam_lr(7, 512, 4000)
+        self.device = self.args.device
+        common.set_blas_threads(self.args.threads)
+        if self.device == "cuda":
+            import cupy
+            self.sync = lambda: cupy.cuda.Device().synchronize()
+            self.xp = cupy
+        else:
+            self.sync = lambda: None
+            self.xp = np
+        cfg = tr.TransformerConfig.from_dict(self.cfg)
+        self.model = tr.Transformer(cfg, seed=self.args.seed, device=self.device)
+        self.opt = Adam(self.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
+        if self.args.init:  # the torch worker starts from these weights
+            np.savez(self.args.init, **{k: v for k, v in self.model.state_dict().items()})
+
+    def n_params(self):
+        return int(sum(p.size for p in self.model.parameters()))
+
+    def versions(self):
+        import minitransformer
+        return dict(framework=f"minitransformer {minitransformer.__version__}",
+                    numpy=np.__version__, blas=common.openblas_info(),
+                    environment={k: os.environ.get(k) for k in
+                                 ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")})
+
+    def step(self, b, lr):
+        self.model.train()
+        loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
+        loss.backward(self.xp.asarray(1.0 / n, dtype=loss.dtype))  # d(loss_sum / n)
+        self.opt.lr = lr
+        self.opt.step()
+        self.opt.zero_grad()
+        return float(loss.data), n
+
+    def eval_loss(self, i=0):
+        from minitransformer import no_grad
+        b = self.batches[i]
+        self.model.eval()
+        with no_grad():
+            loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
+        self.model.train()
+        return dict(loss_per_token=float(loss.data) / n, tokens=n)
+
+    def memory(self):
+        out = dict(max_rss_mib=common.max_rss_mib())
+        if self.device == "cuda":
+            import cupy
+            pool = cupy.get_default_memory_pool()
+            # the pool keeps freed blocks, so what it holds after training is its high-water
+            # mark (the analogue of torch's max_memory_reserved)
+            out.update(gpu_reserved_mib=pool.total_bytes() / 2 ** 20,
+                       gpu_used_mib=pool.used_bytes() / 2 ** 20)
+        return out
+
+    def profile(self, steps=3, top=15):
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            b = self.batches[i % len(self.batches)]
+            self.step_count += 1
+            lr = noam_lr(self.step_count, self.cfg["d_model"], WARMUP_LR_STEPS)
+            prof.enable()
+            self.step(b, lr)
+            self.sync()
+            prof.disable()
+        wall = time.perf_counter() - t0
+        s = io.StringIO()
+        st = pstats.Stats(prof, stream=s)
+        st.sort_stats("tottime").print_stats(top)
+        rows = []
+        for func, (cc, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
+            where = _label(*func)
+            rows.append(dict(function=where, calls=nc, tottime=tt, cumtime=ct))
+        return dict(steps=steps, wall_seconds=wall, total_tt=st.total_tt, rows=rows,
+                    text=s.getvalue())
+
+    def reset(self):
+        self.model.load_state_dict(np.load(self.args.init))
+        return {}
+
+    def search(self, kind, src):
+        from minitransformer.mt.search import beam_search, greedy_search
+        if kind == "greedy":
+            return greedy_search(self.model, src, max_len_a=self.args.max_len_a)
+        return beam_search(self.model, src, beam=self.args.beam, alpha=0.6,
+                           max_len_a=self.args.max_len_a)
+
+    def gemm(self, n=2048):
+        if self.device == "cuda":
+            import cupy
+            n = 8192
+            make = lambda n: cupy.random.standard_normal((n, n), dtype=cupy.float32)  # noqa
+            return dict(gflops=common.gemm_gflops(cupy.matmul, make, n, 5, self.sync), n=n)
+        return dict(gflops=common.numpy_gemm_gflops(n), n=n)
+
+
+def _short(path):
+    for marker in ("minitransformer/", "site-packages/", "bench/"):
+        if marker in path:
+            return path[path.index(marker):]
+    return os.path.basename(path)
+
+
+_classes = {}
+
+
+def _label(path, line, name):
+    """'engine/ops.py:230 Linear.backward': the enclosing class named, since every op's
+    methods are called forward/backward."""
+    if not line:
+        return name
+    if path not in _classes:
+        import ast
+        try:
+            tree = ast.parse(open(path).read())
+            _classes[path] = [(n.lineno, n.end_lineno, n.name) for n in ast.walk(tree)
+                              if isinstance(n, ast.ClassDef)]
+        except (OSError, SyntaxError):
+            _classes[path] = []
+    owner = [c for lo, hi, c in _classes[path] if lo <= line <= hi]
+    return f"{_short(path)}:{line} {owner[-1] + '.' if owner else ''}{name}"
+
+
+class TorchRunner(Runner):
+    def build(self):
+        import torch
+        import torch_reference as ref
+        self.torch, self.ref = torch, ref
+        torch.set_num_threads(self.args.threads)
+        torch.manual_seed(self.args.seed)
+        self.device = torch.device(self.args.device)
+        if self.device.type == "cuda":
+            self.sync = torch.cuda.synchronize
+        else:
+            self.sync = lambda: None
+        self.model = ref.Transformer(self.cfg)
+        self.model.load_minitransformer_state(np.load(self.args.init))
+        self.model.to(self.device)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
+
+    def n_params(self):
+        return int(sum(p.numel() for p in self.model.parameters()))
+
+    def versions(self):
+        t = self.torch
+        return dict(framework=f"torch {t.__version__}", threads=t.get_num_threads(),
+                    interop_threads=t.get_num_interop_threads(),
+                    parallel_info=t.__config__.parallel_info().strip().splitlines()[:8],
+                    mkldnn=bool(t.backends.mkldnn.is_available()),
+                    cuda=t.version.cuda if self.device.type == "cuda" else None)
+
+    def _tensors(self, b):
+        return [self.torch.from_numpy(b[k]).to(self.device) for k in ("src", "tgt_in", "tgt_out")]
+
+    def step(self, b, lr):
+        self.model.train()
+        src, tgt_in, tgt_out = self._tensors(b)
+        loss, n = self.model.loss(src, tgt_in, tgt_out)
+        (loss / n).backward()
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item(), n
+
+    def eval_loss(self, i=0):
+        b = self.batches[i]
+        self.model.eval()
+        with self.torch.no_grad():
+            src, tgt_in, tgt_out = self._tensors(b)
+            loss, n = self.model.loss(src, tgt_in, tgt_out)
+            hand = self.ref.smoothed_cross_entropy_by_hand(self.model(src, tgt_in), tgt_out,
+                                                           self.cfg["label_smoothing"],
+                                                           self.cfg["pad_id"])
+        self.model.train()
+        return dict(loss_per_token=float(loss) / n, tokens=n, by_hand_per_token=float(hand) / n)
+
+    def memory(self):
+        out = dict(max_rss_mib=common.max_rss_mib())
+        if self.device.type == "cuda":
+            c = self.torch.cuda
+            out.update(gpu_reserved_mib=c.max_memory_reserved() / 2 ** 20,
+                       gpu_used_mib=c.max_memory_allocated() / 2 ** 20)
+        return out
+
+    def reset(self):
+        self.model.load_minitransformer_state(np.load(self.args.init))
+        return {}
+
+    def search(self, kind, src):
+        src = self.torch.from_numpy(src).to(self.device)
+        if kind == "greedy":
+            return self.ref.greedy_search(self.model, src, max_len_a=self.args.max_len_a)
+        return self.ref.beam_search(self.model, src, beam=self.args.beam, alpha=0.6,
+                                    max_len_a=self.args.max_len_a)
+
+    def gemm(self, n=2048):
+        t = self.torch
+        if self.device.type == "cuda":
+            n = 8192
+        make = lambda n: t.randn(n, n, device=self.device)  # noqa: E731
+        return dict(gflops=common.gemm_gflops(t.matmul, make, n, 5, self.sync), n=n)
+
+
+def worker_main(args):
+    proto = os.fdopen(os.dup(1), "w")  # the protocol channel; stray prints go to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    runner = (OursRunner if args.worker == "ours" else TorchRunner)(args)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            result = getattr(runner, cmd["op"])(**cmd.get("kw", {}))
+        except Exception:
+            result = dict(error=traceback.format_exc())
+        proto.write(json.dumps(result) + "\n")
+        proto.flush()
+        if cmd["op"] == "quit":
+            break
+
+
+# ==== the parent ===============================================================================
+class Worker:
+    def __init__(self, fw, argv):
+        self.fw = fw
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", fw,
+                                      *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+
+    def __call__(self, op, **kw):
+        self.proc.stdin.write(json.dumps(dict(op=op, kw=kw)) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.fw} worker exited (code {self.proc.wait()}) "
+                               f"during {op!r}; its error is above")
+        result = json.loads(line)
+        if "error" in result:
+            raise RuntimeError(f"{self.fw} worker, {op!r}:\n{result['error']}")
+        return result
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self("quit")
+            except Exception:
+                pass
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def agreement(a, b):
+    same = sum(x == y for x, y in zip(a, b))
+    return dict(identical=same, of=len(a))
+
+
+def run_config(name, args, machine, peak):
+    spec = common.CONFIGS[name]
+    steps = args.steps if args.steps is not None else spec["steps"]
+    warmup = args.warmup if args.warmup is not None else spec["warmup"]
+    n_dec = args.decode_sentences or spec["decode_sentences"]
+    frameworks = ["ours"] + (["torch"] if args.torch else [])
+    tmp = tempfile.mkdtemp(prefix="minitransformer-bench-")
+    init = os.path.join(tmp, "init.npz")
+    argv = ["--config", name, "--device", args.device, "--seed", str(args.seed),
+            "--steps", str(steps), "--warmup", str(warmup), "--decode-sentences", str(n_dec),
+            "--decode-max-tokens", str(args.decode_max_tokens), "--beam", str(args.beam),
+            "--max-len-a", str(args.max_len_a), "--threads", str(args.threads),
+            "--init", init]
+    cfg = common.model_config(name)
+    print(f"\n== {name}: N={cfg['n_layers']} D={cfg['d_model']} H={cfg['n_heads']} "
+          f"F={cfg['d_ff']} V={cfg['vocab_size']}, ~{spec['max_tokens']} + {spec['max_tokens']} "
+          f"tokens a batch, {warmup} warm-up + {steps} timed steps, device {args.device}",
+          flush=True)
+    res = dict(config=name, model=cfg, device=args.device, date=_now(), machine=machine,
+               code=_code_version(),
+               peak=peak, settings=dict(steps=steps, warmup=warmup, decode_sentences=n_dec,
+                                        decode_max_tokens=args.decode_max_tokens,
+                                        beam=args.beam, alpha=0.6, max_len_a=args.max_len_a,
+                                        threads=args.threads, seed=args.seed,
+                                        max_tokens=spec["max_tokens"]))
+    workers = {}
+    try:
+        workers["ours"] = Worker("ours", argv)
+        setup = {"ours": workers["ours"]("setup")}
+        if args.torch:
+            workers["torch"] = Worker("torch", argv)
+            setup["torch"] = workers["torch"]("setup")
+            for key in ("batches", "decode", "n_params"):
+                if setup["ours"][key] != setup["torch"][key]:
+                    raise RuntimeError(f"the workers disagree on {key}: {setup['ours'][key]} "
+                                       f"vs {setup['torch'][key]}")
+        res["setup"] = setup
+        print(f"   {setup['ours']['n_params']:,} parameters; batches {setup['ours']['batches']} "
+              f"identical in both workers", flush=True)
+
+        res["initial_loss"] = {fw: workers[fw]("eval_loss") for fw in frameworks}
+        if args.torch:
+            a, b = (res["initial_loss"][fw]["loss_per_token"] for fw in frameworks)
+            res["initial_loss"]["rel_diff"] = abs(a - b) / abs(b)
+            print(f"   initial loss (no dropout): ours {a:.6f}, torch {b:.6f} "
+                  f"(rel. diff {abs(a - b) / abs(b):.1e}; torch by hand "
+                  f"{res['initial_loss']['torch']['by_hand_per_token']:.6f})", flush=True)
+
+        # ---- training, alternating who goes first ----
+        train = {fw: [] for fw in frameworks}
+        for i in range(warmup + steps):
+            order = frameworks if i % 2 == 0 else frameworks[::-1]
+            for fw in order:
+                train[fw].append(workers[fw]("train_step", i=i))
+            r = train["ours"][-1]
+            msg = f"   step {i + 1:2d}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: " \
+                  f"B={r['B']} S={r['S']} T={r['T']} | " + "  ".join(
+                      f"{fw} {train[fw][-1]['seconds']:.3f} s "
+                      f"({train[fw][-1]['tokens'] / train[fw][-1]['seconds']:,.0f} tok/s, "
+                      f"loss {train[fw][-1]['loss_per_token']:.3f})" for fw in frameworks)
+            print(msg, flush=True)
+        res["train"] = {fw: summarize_train(train[fw], warmup, cfg, peak) for fw in frameworks}
+        res["train_steps"] = train
+        res["memory"] = {fw: workers[fw]("memory") for fw in frameworks}
+        for fw in frameworks:
+            res["memory"][fw]["rss_setup_mib"] = setup[fw]["rss_setup_mib"]
+
+        if args.profile and name in args.profile:
+            print("   profiling 3 training steps of ours with cProfile ...", flush=True)
+            res["profile"] = workers["ours"]("profile", steps=3, top=15)
+
+        res["gemm"] = {fw: workers[fw]("gemm") for fw in frameworks}
+
+        # ---- decoding ----
+        for fw in frameworks:
+            workers[fw]("reset")
+        dec = {fw: {"greedy": [], "beam": []} for fw in frameworks}
+        outputs = {fw: {} for fw in frameworks}
+        for kind in ("greedy", "beam"):
+            for fw in frameworks:
+                workers[fw]("decode", kind=kind, warmup=True)
+            for rep in range(args.decode_reps):
+                order = frameworks if rep % 2 == 0 else frameworks[::-1]
+                for fw in order:
+                    r = workers[fw]("decode", kind=kind)
+                    outputs[fw].setdefault(kind, r.pop("outputs"))
+                    dec[fw][kind].append(r)
+                print(f"   {kind} rep {rep + 1}/{args.decode_reps}: " + "  ".join(
+                    f"{fw} {dec[fw][kind][-1]['seconds']:.2f} s "
+                    f"({dec[fw][kind][-1]['sentences'] / dec[fw][kind][-1]['seconds']:.1f} sent/s,"
+                    f" {dec[fw][kind][-1]['out_tokens']} tokens out)" for fw in frameworks),
+                    flush=True)
+        res["decode"] = {fw: {kind: summarize_decode(dec[fw][kind]) for kind in dec[fw]}
+                         for fw in frameworks}
+        res["decode_reps"] = dec
+        if args.torch:
+            res["decode_agreement"] = {kind: agreement(outputs["ours"][kind],
+                                                       outputs["torch"][kind])
+                                       for kind in ("greedy", "beam")}
+    finally:
+        for w in workers.values():
+            w.close()
+        if os.path.exists(init):
+            os.remove(init)
+        os.rmdir(tmp)
+    res["ratios"] = ratios(res) if args.torch else None
+    res["loadavg_end"] = os.getloadavg()
+    return res
+
+
+def summarize_train(steps, warmup, cfg, peak):
+    timed = steps[warmup:]
+    tps = [s["tokens"] / s["seconds"] for s in timed]
+    fps = [common.train_flops(cfg, s["B"], s["S"], s["T"]) / s["seconds"] for s in timed]
+    return dict(tokens_per_s=common.median(tps), seconds=common.median([s["seconds"]
+                                                                          for s in timed]),
+                tokens_per_step=common.median([s["tokens"] for s in timed]),
+                flops_per_s=common.median(fps), mfu=common.median(fps) / (peak["gflops"] * 1e9),
+                flops_per_target_token=common.median(
+                    [common.train_flops(cfg, s["B"], s["S"], s["T"]) / s["tokens"]
+                     for s in timed]))
+
+
+def summarize_decode(reps):
+    sps = [r["sentences"] / r["seconds"] for r in reps]
+    return dict(sentences_per_s=common.median(sps), best_sentences_per_s=max(sps),
+                seconds=common.median([r["seconds"] for r in reps]),
+                sentences=reps[0]["sentences"], out_tokens=reps[0]["out_tokens"],
+                reps=len(reps))
+
+
+def ratios(res):
+    o, t = res["train_steps"]["ours"], res["train_steps"]["torch"]
+    w = res["settings"]["warmup"]
+    per_step = [b["seconds"] / a["seconds"] for a, b in zip(o[w:], t[w:])]
+    mem = res["memory"]
+    out = dict(train=res["train"]["ours"]["tokens_per_s"] / res["train"]["torch"]["tokens_per_s"],
+               train_per_step_median=common.median(per_step),
+               greedy=res["decode"]["ours"]["greedy"]["sentences_per_s"]
+               / res["decode"]["torch"]["greedy"]["sentences_per_s"],
+               beam=res["decode"]["ours"]["beam"]["sentences_per_s"]
+               / res["decode"]["torch"]["beam"]["sentences_per_s"],
+               greedy_best=res["decode"]["ours"]["greedy"]["best_sentences_per_s"]
+               / res["decode"]["torch"]["greedy"]["best_sentences_per_s"],
+               beam_best=res["decode"]["ours"]["beam"]["best_sentences_per_s"]
+               / res["decode"]["torch"]["beam"]["best_sentences_per_s"],
+               memory=mem["ours"]["max_rss_mib"] / mem["torch"]["max_rss_mib"],
+               memory_above_setup=(mem["ours"]["max_rss_mib"] - mem["ours"]["rss_setup_mib"])
+               / (mem["torch"]["max_rss_mib"] - mem["torch"]["rss_setup_mib"]))
+    if "gpu_reserved_mib" in mem["ours"]:
+        out["gpu_memory"] = mem["ours"]["gpu_reserved_mib"] / mem["torch"]["gpu_reserved_mib"]
+    return out
+
+
+def print_summary(res):
+    r, tr, dec, mem = res["ratios"], res["train"], res["decode"], res["memory"]
+    fws = list(tr)
+    print(f"\n-- {res['config']} ({res['device']}) --")
+    print("   training target tok/s: " + ", ".join(f"{fw} {tr[fw]['tokens_per_s']:,.0f}"
+                                                  for fw in fws)
+          + (f"  -> ours/torch {r['train']:.2f}x (target >= 1.5x)" if r else ""))
+    print("   MFU (vs {:.0f} GFLOP/s, {}): ".format(res["peak"]["gflops"], res["peak"]["how"])
+          + ", ".join(f"{fw} {100 * tr[fw]['mfu']:.1f}%" for fw in fws))
+    for kind in ("greedy", "beam"):
+        print(f"   {kind} sent/s: " + ", ".join(f"{fw} {dec[fw][kind]['sentences_per_s']:.1f}"
+                                                 for fw in fws)
+              + (f"  -> ours/torch {r[kind]:.2f}x (target >= 1.5x; best of "
+                 f"{dec['ours'][kind]['reps']}: {r[kind + '_best']:.2f}x)" if r else ""))
+    grow = {fw: mem[fw]["max_rss_mib"] - mem[fw]["rss_setup_mib"] for fw in fws}
+    print("   peak RSS MiB: " + ", ".join(f"{fw} {mem[fw]['max_rss_mib']:.0f} (+{grow[fw]:.0f} "
+                                          f"over imports+data)" for fw in fws)
+          + (f"  -> ours/torch {r['memory']:.2f}x (target <= 1), above setup "
+             f"{r['memory_above_setup']:.2f}x" if r else ""))
+
+
+def _code_version():
+    """The commit measured, and whether the package had uncommitted changes."""
+    try:
+        run = lambda *c: subprocess.run(["git", *c], cwd=HERE, capture_output=True,  # noqa
+                                        text=True, timeout=10).stdout.strip()
+        return dict(commit=run("rev-parse", "--short", "HEAD"),
+                    modified=run("status", "--short", "--", "../minitransformer").splitlines())
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _now():
+    return datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(common.CONFIGS), action="append",
+                   help="benchmark config (repeatable); default tiny")
+    p.add_argument("--all", action="store_true", help="every config: tiny and base-lite")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--steps", type=int, help="timed training steps (default: 20 tiny, 8 base-lite)")
+    p.add_argument("--warmup", type=int, help="untimed warm-up steps (default 3)")
+    p.add_argument("--decode-sentences", type=int,
+                   help="sentences to translate (default: 128 tiny, 64 base-lite)")
+    p.add_argument("--decode-reps", type=int, default=3, help="timed repetitions of each search")
+    p.add_argument("--decode-max-tokens", type=int, default=4096,
+                   help="padded source tokens per decoding batch (translate.py's default)")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--max-len-a", type=int, default=0,
+                   help="maximum output length = source length + this (default 0)")
+    p.add_argument("--threads", type=int,
+                   help="threads for numpy's OpenBLAS and for torch (default: what OpenBLAS "
+                        "uses, normally one per core)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-torch", dest="torch", action="store_false",
+                   help="measure minitransformer only")
+    p.add_argument("--profile", nargs="*", default=["tiny"], metavar="CONFIG",
+                   help="configs whose training step is profiled with cProfile (default tiny; "
+                        "give none to skip)")
+    p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"),
+                   help="report to write; raw results go to results/ beside it")
+    # internal: run as a worker process
+    p.add_argument("--worker", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--init", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        args.config = args.config[0]
+        return worker_main(args)
+    configs = sorted(common.CONFIGS, key=lambda c: c != "tiny") if args.all else \
+        (args.config or ["tiny"])
+    if args.torch and importlib.util.find_spec("torch") is None:
+        sys.exit("PyTorch is needed for the comparison (bench-only, not a dependency): "
+                 "pip install torch   -- or run with --no-torch to measure minitransformer only")
+    if args.device == "cuda":
+        from minitransformer.backend import get_xp
+        get_xp("cuda")  # a clear error now if CuPy or the GPU is missing
+    if args.threads:
+        common.set_blas_threads(args.threads)  # numpy here and in the ours worker
+    args.threads = args.threads or common.blas_threads()
+    machine = common.machine_info()
+    print(f"machine: {machine['cpu']}, {machine['usable_cpus']} usable CPUs, load "
+          f"{machine['loadavg']}; OpenBLAS {machine['blas'].get('corename')} "
+          f"(OPENBLAS_CORETYPE={machine['blas'].get('OPENBLAS_CORETYPE')}), "
+          f"{machine['blas'].get('threads')} threads; torch threads {args.threads}", flush=True)
+    load = machine["loadavg"][0] if machine["loadavg"] else 0
+    if args.threads > 1 and load > machine["usable_cpus"]:
+        print(f"warning: load average {load:.1f} > {machine['usable_cpus']} CPUs: other "
+              f"processes compete for the cores, and multi-threaded BLAS/OpenMP then waits for "
+              f"descheduled threads (timings many times slower, mostly noise); consider "
+              f"--threads 1", flush=True)
+    gflops = common.numpy_gemm_gflops(2048)
+    peak = dict(gflops=gflops, how="numpy float32 matmul 2048^3, best of 5", device="cpu")
+    print(f"numpy float32 GEMM 2048^3: {gflops:.0f} GFLOP/s (the MFU denominator)", flush=True)
+    if args.device == "cuda":
+        peak = None  # measured in the ours worker with CuPy, below
+    results_dir = report.results_dir(args.results)
+    os.makedirs(results_dir, exist_ok=True)
+    for name in configs:
+        res = run_config(name, args, machine, peak or dict(gflops=float("nan")))
+        if args.device == "cuda":  # MFU against CuPy's GEMM rate on the GPU
+            g = res["gemm"]["ours"]["gflops"]
+            res["peak"] = dict(gflops=g, how=f"cupy float32 matmul {res['gemm']['ours']['n']}^3",
+                               device="cuda")
+            for fw in res["train"]:
+                res["train"][fw]["mfu"] = res["train"][fw]["flops_per_s"] / (g * 1e9)
+        else:  # the best GEMM rate seen, at the start or after training (a shared machine)
+            g = max(peak["gflops"], res["gemm"]["ours"]["gflops"])
+            res["peak"] = dict(gflops=g, how=f"numpy float32 matmul 2048^3, best of 5 at the "
+                               f"start ({peak['gflops']:.0f}) and 5 after training "
+                               f"({res['gemm']['ours']['gflops']:.0f})", device="cpu")
+            for fw in res["train"]:
+                res["train"][fw]["mfu"] = res["train"][fw]["flops_per_s"] / (g * 1e9)
+        path = os.path.join(results_dir, f"run-{name}-{args.device}-t{args.threads}.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print_summary(res)
+        print(f"   raw results: {os.path.relpath(path)}")
+    report.write(args.results)
+    print(f"\nwrote {os.path.relpath(args.results)}")
+
+
+if __name__ == "__main__":
+    main()

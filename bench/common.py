@@ -1,0 +1,266 @@
+"""Shared pieces of the benchmark: configs, synthetic batches, FLOP counts, machine facts.
+
+Imported by both benchmark workers (ours and PyTorch), so nothing here imports
+minitransformer or torch at module level: each worker imports only its own framework, and its
+peak memory (ru_maxrss) is its own.
+
+Shape letters as in the package: B batch, S source length, T target length, D d_model,
+H heads, F d_ff, V vocabulary, N layers (encoder and decoder each).
+"""
+import ctypes
+import hashlib
+import os
+import platform
+import resource
+import statistics
+import time
+
+import numpy as np
+
+from minitransformer.mt.translation import pad_batch as pad  # (B, L) int64, padded
+
+# The two benchmark models. Both use the paper's recipe: post-norm, shared embeddings scaled by
+# sqrt(D), sinusoidal positions, dropout 0.1, label smoothing 0.1 (eps/(V-1) on non-targets).
+CONFIGS = {
+    "tiny": dict(model=dict(n_layers=2, d_model=128, n_heads=4, d_ff=512, vocab_size=8000),
+                 max_tokens=2000, warmup=3, steps=20, decode_sentences=128),
+    "base-lite": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_ff=2048, vocab_size=8000),
+                      max_tokens=4000, warmup=3, steps=8, decode_sentences=64),
+}
+MODEL_COMMON = dict(dropout=0.1, label_smoothing=0.1, smoothing="others", norm="post",
+                    positions="sinusoidal", sinusoid_layout="interleaved", share_embeddings=True,
+                    attention_dropout=0.0, relu_dropout=0.0, ln_eps=1e-5,
+                    pad_id=0, bos_id=2, eos_id=3)
+FIRST_WORD_ID = 4  # ids 0..3 are pad, unk, bos, eos (as in the sentencepiece set-up)
+
+
+def model_config(name):
+    """The full TransformerConfig fields of a benchmark config, as a plain dict."""
+    return {**MODEL_COMMON, **CONFIGS[name]["model"]}
+
+
+# ---- synthetic data --------------------------------------------------------------------------
+def synthetic_pairs(n_pairs, V, seed, min_len=10, max_len=30):
+    """Random sentence pairs with a realistic length distribution.
+
+    Source length ~ uniform{min_len..max_len}; target length = source length times a factor
+    ~ uniform(0.8, 1.2) (rounded, at least 1), as for a close language pair. Token ids are
+    uniform over the non-special vocabulary. -> list of (src ids, tgt ids), no BOS/EOS.
+    """
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(n_pairs):
+        s = int(rng.integers(min_len, max_len + 1))
+        t = max(1, int(round(s * rng.uniform(0.8, 1.2))))
+        pairs.append((rng.integers(FIRST_WORD_ID, V, s).tolist(),
+                      rng.integers(FIRST_WORD_ID, V, t).tolist()))
+    return pairs
+
+
+def training_batches(n_batches, V, max_tokens, seed, pad_id=0, bos_id=2, eos_id=3):
+    """``n_batches`` batches of up to ``max_tokens`` padded source and target tokens each.
+
+    Like the package's loader: pairs sorted by length and packed while B * max(S) and
+    B * max(T) stay within ``max_tokens`` (source = x + EOS, tgt_in = BOS + y,
+    tgt_out = y + EOS). The batches are then shuffled, so consecutive steps see different
+    shapes. -> list of dicts with int64 arrays src (B, S), tgt_in, tgt_out (B, T).
+    """
+    rng = np.random.default_rng(seed)
+    per_batch = max_tokens // 20  # about how many 10-30-token sentences fit
+    pairs = synthetic_pairs(n_batches * per_batch * 2, V, seed)
+    pairs.sort(key=lambda p: (len(p[0]), len(p[1])))
+    groups, cur, S, T = [], [], 0, 0
+    for x, y in pairs:
+        s2, t2 = max(S, len(x) + 1), max(T, len(y) + 1)
+        if cur and (s2 * (len(cur) + 1) > max_tokens or t2 * (len(cur) + 1) > max_tokens):
+            groups.append(cur)
+            cur, s2, t2 = [], len(x) + 1, len(y) + 1
+        cur.append((x, y))
+        S, T = s2, t2
+    if cur:
+        groups.append(cur)
+    # Spread the picks over all lengths (short, medium and long batches), then shuffle.
+    picks = np.linspace(0, len(groups) - 1, n_batches).round().astype(int)
+    chosen = [groups[i] for i in picks]
+    rng.shuffle(chosen)
+    batches = []
+    for g in chosen:
+        batches.append(dict(src=pad([x + [eos_id] for x, _ in g], pad_id),
+                            tgt_in=pad([[bos_id] + y for _, y in g], pad_id),
+                            tgt_out=pad([y + [eos_id] for _, y in g], pad_id)))
+    return batches
+
+
+def decode_batches(n_sentences, V, seed, max_tokens=4096, pad_id=0, eos_id=3):
+    """Source sentences for decoding, batched as ``mt.translation.translate_ids`` does: sorted
+    by length, at most ``max_tokens`` padded source tokens a batch, EOS appended.
+    -> list of (B, S) int64 arrays."""
+    srcs = sorted((x for x, _ in synthetic_pairs(n_sentences, V, seed)), key=len)
+    out, start = [], 0
+    while start < len(srcs):
+        end, longest = start, 0
+        while end < len(srcs):
+            nxt = max(longest, len(srcs[end]) + 1)
+            if end > start and nxt * (end - start + 1) > max_tokens:
+                break
+            longest, end = nxt, end + 1
+        out.append(pad([s + [eos_id] for s in srcs[start:end]], pad_id))
+        start = end
+    return out
+
+
+def fingerprint(arrays):
+    """A short hash of a list of arrays (to check both workers got identical batches)."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(str(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- FLOPs -----------------------------------------------------------------------------------
+def matmul_params(cfg):
+    """Weights that take part in matrix products, split by where they are applied.
+
+    enc: per source token, N (4 D^2 + 2 D F)  (self-attention q, k, v, o; FFN)
+    dec: per target token, N (6 D^2 + 2 D F)  (self-attention q, k, v, o; cross q, o; FFN)
+    mem: per source token, N 2 D^2            (cross-attention k, v, applied to the memory)
+    out: per target token, D V                (pre-softmax projection = shared embedding)
+    """
+    N, D, F, V = cfg["n_layers"], cfg["d_model"], cfg["d_ff"], cfg["vocab_size"]
+    return dict(enc=N * (4 * D * D + 2 * D * F), dec=N * (6 * D * D + 2 * D * F),
+                mem=N * 2 * D * D, out=D * V)
+
+
+def train_flops(cfg, B, S, T):
+    """Model FLOPs of one training step (forward + backward = 3 x forward) on a (B, S) source
+    and (B, T) target batch, counted on the padded shapes that both frameworks compute:
+
+        6 * [B S (enc + mem) + B T (dec + out)]             matrix products with weights
+      + 12 * N * D * B * (S^2 + T^2 + T S)                  attention: q k^T and p v
+
+    (a multiply-add is 2 FLOPs; forward = 2 * params * tokens, backward twice that. Attention:
+    per layer 2 * 2 * B * Tq * Tk * D forward for the scores and the weighted sum, the causal
+    self-attention counted in full as both frameworks compute it.) Per target token with
+    S = T this is 6 * (all matmul params) + 36 * N * D * T. Softmax, LayerNorm, dropout,
+    embeddings and Adam are not counted.
+    """
+    p = matmul_params(cfg)
+    N, D = cfg["n_layers"], cfg["d_model"]
+    dense = 6 * (B * S * (p["enc"] + p["mem"]) + B * T * (p["dec"] + p["out"]))
+    attn = 12 * N * D * B * (S * S + T * T + T * S)
+    return dense + attn
+
+
+# ---- machine ---------------------------------------------------------------------------------
+def gemm_gflops(matmul, make, n=2048, reps=5, sync=lambda: None):
+    """Best float32 GEMM rate of ``matmul`` on n x n x n (2 n^3 FLOPs), in GFLOP/s."""
+    a, b = make(n), make(n)
+    matmul(a, b)
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        matmul(a, b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def numpy_gemm_gflops(n=2048, reps=5):
+    rng = np.random.default_rng(0)
+    return gemm_gflops(np.matmul, lambda n: rng.standard_normal((n, n), dtype=np.float32), n, reps)
+
+
+def openblas_info():
+    """OpenBLAS's core type and thread count as seen from this process (numpy's copy)."""
+    info = {"OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE")}
+    try:
+        libs = sorted({line.split()[-1] for line in open("/proc/self/maps")
+                       if "openblas" in line.lower() and ".so" in line})
+    except OSError:
+        libs = []
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas_", "64_"), ("openblas_", "64_"), ("openblas_", "")):
+            f = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
+            if f is None:
+                continue
+            info["threads"] = int(f())
+            for key, fn in (("corename", "get_corename"), ("config", "get_config")):
+                g = getattr(lib, f"{prefix}{fn}{suffix}", None)
+                if g is not None:
+                    g.restype = ctypes.c_char_p
+                    info[key] = g().decode()
+            info["library"] = os.path.basename(path)
+            return info
+    return info
+
+
+def _openblas_call(fn, *args):
+    for path in sorted({line.split()[-1] for line in open("/proc/self/maps")
+                        if "openblas" in line.lower() and ".so" in line}):
+        lib = ctypes.CDLL(path)
+        for prefix, suffix in (("scipy_openblas_", "64_"), ("openblas_", "64_"), ("openblas_", "")):
+            f = getattr(lib, f"{prefix}{fn}{suffix}", None)
+            if f is not None:
+                return f(*args)
+    raise RuntimeError(f"OpenBLAS's {fn} not found in this process")
+
+
+def set_blas_threads(n):
+    """Set numpy's OpenBLAS thread count at run time (openblas_set_num_threads)."""
+    _openblas_call("set_num_threads", int(n))
+
+
+def blas_threads():
+    """Threads numpy's BLAS uses (the number PyTorch gets too)."""
+    return openblas_info().get("threads") or len(os.sched_getaffinity(0))
+
+
+def machine_info():
+    cpu, flags, ident = platform.processor() or "unknown", set(), {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "model name":
+                cpu = value
+            elif key in ("vendor_id", "cpu family", "model", "stepping", "cpu MHz",
+                         "cache size") and key not in ident:
+                ident[key] = value
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    mem = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                mem = round(int(line.split()[1]) / 2 ** 20, 1)
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+                        "avx512_bf16", "amx_tile") if f in flags]
+    if ident:
+        cpu += " (" + ", ".join(f"{k} {v}" for k, v in ident.items()) + ")"
+    return dict(cpu=cpu, logical_cpus=os.cpu_count(), usable_cpus=len(os.sched_getaffinity(0)),
+                simd=simd, mem_gib=mem, loadavg=load, python=platform.python_version(),
+                numpy=np.__version__, platform=platform.platform(), blas=openblas_info())
+
+
+def max_rss_mib():
+    """Peak resident set size of this process so far (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
