@@ -24,7 +24,7 @@ import re
 import numpy as np
 
 from ..nn.transformer import TransformerConfig
-from .fileio import atomic_write, atomic_write_text  # noqa: F401 (re-exported)
+from .fileio import atomic_write
 
 
 class CheckpointError(ValueError):

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 import zlib
 
-from .checkpoint import atomic_write
+from .fileio import atomic_write
 from .data import DataError
 
 MULTI30K_COMMIT = "a3d2e0d26b56f3846f66a952536ffed4e401d05a"  # data files last changed in c9be912

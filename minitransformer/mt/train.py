@@ -23,6 +23,7 @@ from ..engine.tensor import no_grad
 from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
 from ..optim import Adam, clip_grad_norm, noam_lr
 from . import checkpoint as ckpt
+from .fileio import atomic_write_text
 from .data import Batches, DataError, collate, read_parallel
 from .tokenizer import Tokenizer, train_sentencepiece
 from .translation import corpus_bleu, translate_lines
@@ -203,7 +204,7 @@ class Trainer:
         self._prepare_data()
         self.cfg = self._model_config()
         if self.main and not args.resume:
-            ckpt.atomic_write_text(cfg_path, json.dumps(
+            atomic_write_text(cfg_path, json.dumps(
                 {"model": dataclasses.asdict(self.cfg), "train": self._train_options()},
                 indent=2, sort_keys=True))
         self.model = Transformer(self.cfg, seed=args.seed, device=device)
@@ -508,7 +509,7 @@ class Trainer:
                                max_tokens=a.max_tokens)
         bleu, sig = corpus_bleu(hyps, ref)
         out = os.path.join(self.run_dir, f"{split}.hyp")
-        ckpt.atomic_write_text(out, "".join(h + "\n" for h in hyps))
+        atomic_write_text(out, "".join(h + "\n" for h in hyps))
         print(f"test ({split}, {len(src)} sentences, {what}, beam {a.beam}, "
               f"{time.perf_counter() - t0:.1f} s): BLEU = {bleu:.2f}  {sig}", flush=True)
         return bleu
