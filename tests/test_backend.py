@@ -8,7 +8,9 @@ import pytest
 
 import minitransformer as mt
 from minitransformer import Tensor, backend
+from minitransformer import _malloc
 from minitransformer._blas import configure_cpu_blas
+from minitransformer._malloc import configure_allocator
 
 
 # ---- devices ------------------------------------------------------------------------------------
@@ -135,3 +137,40 @@ def test_blas_without_cpuinfo(tmp_path):
     (tmp_path / "noflags").write_text("processor\t: 0\nmodel name\t: something\n")
     assert configure_cpu_blas(env, str(tmp_path / "noflags")) is None
     assert env == {}
+
+
+# ---- allocator settings (minitransformer/_malloc.py) ----------------------------------------
+class _FakeLibc:
+    def __init__(self, answer=1):
+        self.calls, self.answer = [], answer
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return self.answer
+
+
+def test_allocator_settings_applied():
+    libc = _FakeLibc()
+    assert configure_allocator({}, libc) is True
+    assert libc.calls == list(_malloc.SETTINGS)
+    assert dict(libc.calls)[_malloc.M_MMAP_THRESHOLD] == 32 << 20
+
+
+@pytest.mark.parametrize("env", [{"MINITRANSFORMER_MALLOC": "0"}, {"MALLOC_TRIM_THRESHOLD_": "0"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}])
+def test_allocator_left_to_the_user(env):
+    libc = _FakeLibc()
+    assert configure_allocator(env, libc) is False
+    assert libc.calls == []
+
+
+def test_allocator_reports_a_refused_setting():
+    assert configure_allocator({}, _FakeLibc(answer=0)) is False
+
+
+def test_glibc_accepts_the_settings():
+    # On glibc every value is within mallopt's limits (32 MiB is its largest mmap threshold).
+    libc = _malloc._glibc()
+    if libc is None:
+        pytest.skip("not glibc")
+    assert configure_allocator({}, libc) is True
