@@ -62,6 +62,23 @@ def test_run_directory_layout_and_periodic_pruning(tmp_path):
     assert all({"loss", "ppl", "lr", "tokens_per_s"} <= set(r) for r in records if "loss" in r)
 
 
+def test_linear_schedule_reaches_zero_at_max_updates(tmp_path):
+    run = str(tmp_path / "run")
+    assert run_train("--run-dir", run, "--max-updates", "10", "--warmup", "4", "--log-every", "1",
+                     "--valid-every", "100", "--lr-schedule", "linear") == 0
+    lrs = {r["update"]: r["lr"] for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+           if "lr" in r}
+    assert lrs[4] == max(lrs.values()) and lrs[10] == 0.0
+    assert lrs[7] == pytest.approx(lrs[4] / 2, rel=1e-6)
+    assert json.load(open(os.path.join(run, "config.json")))["train"]["lr_schedule"] == "linear"
+
+
+def test_linear_schedule_needs_max_updates(tmp_path):
+    with pytest.raises(SystemExit, match="--max-updates"):
+        run_train("--run-dir", str(tmp_path / "run"), "--lr-schedule", "linear",
+                  "--max-updates", "0")
+
+
 def test_existing_run_is_never_overwritten(tmp_path, capsys):
     run = str(tmp_path / "run")
     assert run_train("--run-dir", run, "--max-updates", "2", "--valid-every", "100") == 0

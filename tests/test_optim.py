@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from minitransformer import Tensor
-from minitransformer.optim import Adam, clip_grad_norm, noam_lr
+from minitransformer.optim import Adam, clip_grad_norm, linear_decay_lr, noam_lr
 
 THETA0 = [0.5, -1.0, 2.0, 0.25]
 GRADS = [[0.5, -2.0, 1e-3, 0.0],   # step 1 (a zero gradient: no move at all)
@@ -130,6 +130,20 @@ def test_noam_lr_formula_and_shape():
         assert noam_lr(4 * s, d, w) == pytest.approx(noam_lr(s, d, w) / 2, rel=1e-12)
     assert noam_lr(100, d, w, factor=2.0) == pytest.approx(2 * noam_lr(100, d, w), rel=1e-15)
     assert noam_lr(0, d, w) == noam_lr(1, d, w)  # step 0 is read as step 1, never 0 / inf
+
+
+def test_linear_decay_lr_warms_up_like_noam_then_falls_to_zero():
+    d, w, total = 256, 500, 3000
+    for step in (1, 100, 499, 500):
+        assert linear_decay_lr(step, d, w, total) == noam_lr(step, d, w)
+    peak = noam_lr(w, d, w, factor=0.7)
+    # a straight line from the peak at the warm-up to 0 at total, and 0 after it
+    for step in (501, 1000, 1750, 2999, 3000, 3500):
+        expected = peak * max(total - step, 0) / (total - w)
+        assert linear_decay_lr(step, d, w, total, factor=0.7) == pytest.approx(expected, rel=1e-12,
+                                                                               abs=0)
+    assert linear_decay_lr(1750, d, w, total) == pytest.approx(noam_lr(w, d, w) / 2, rel=1e-12)
+    assert linear_decay_lr(total, d, w, total) == 0.0
 
 
 # ---- gradient clipping --------------------------------------------------------------------------

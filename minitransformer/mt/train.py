@@ -21,7 +21,7 @@ import numpy as np
 from .. import backend
 from ..engine.tensor import no_grad
 from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
-from ..optim import Adam, clip_grad_norm, noam_lr
+from ..optim import Adam, clip_grad_norm, linear_decay_lr, noam_lr
 from . import checkpoint as ckpt
 from .fileio import atomic_write_text
 from .data import Batches, DataError, collate, read_parallel
@@ -73,6 +73,9 @@ def build_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr-factor", type=float, default=1.0,
                    help="multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
+    g.add_argument("--lr-schedule", default="inverse-sqrt", choices=["inverse-sqrt", "linear"],
+                   help="after the warm-up: the paper's inverse square root decay, or a straight "
+                        "line to 0 at --max-updates (for a fixed budget of updates)")
     g.add_argument("--warmup", type=int, default=None,
                    help="warm-up updates (default 4000 as in the paper; 300 for the synthetic corpus)")
     g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.98])
@@ -202,6 +205,9 @@ class Trainer:
                              "(checkpoint_last.npz); pass --resume to continue it or choose "
                              "another --run-dir (nothing was overwritten)")
         self._prepare_data()
+        if args.lr_schedule == "linear" and not args.max_updates:
+            raise SystemExit("error: --lr-schedule linear decays to 0 at --max-updates; "
+                             "give --max-updates N (N > --warmup)")
         self.cfg = self._model_config()
         if self.main and not args.resume:
             atomic_write_text(cfg_path, json.dumps(
@@ -235,7 +241,7 @@ class Trainer:
     def _train_options(self):
         keep = ("preset", "data", "src_lang", "tgt_lang", "train_split", "valid_split",
                 "test_split", "vocab_size", "spm_type", "max_tokens", "max_len", "seed",
-                "lr_factor", "warmup", "update_freq", "clip_norm", "synthetic_pairs",
+                "lr_factor", "lr_schedule", "warmup", "update_freq", "clip_norm", "synthetic_pairs",
                 "adam_betas", "adam_eps")
         return {k: getattr(self.args, k) for k in keep}
 
@@ -336,6 +342,12 @@ class Trainer:
         self.model.rng.set_state(meta["rng"])
 
     # ---- training ------------------------------------------------------------------------
+    def lr_at(self, update):
+        a = self.args
+        if a.lr_schedule == "linear":
+            return linear_decay_lr(update, self.cfg.d_model, a.warmup, a.max_updates, a.lr_factor)
+        return noam_lr(update, self.cfg.d_model, a.warmup, a.lr_factor)
+
     def train_update(self):
         """One update: update_freq batches, gradients summed, then divided by the number of
         target tokens (over all ranks), clipped, and one Adam step. -> (loss_sum, tokens)."""
@@ -362,8 +374,7 @@ class Trainer:
         if self.args.clip_norm > 0:
             clip_grad_norm(self.params, self.args.clip_norm)
         self.update += 1
-        self.optim.lr = noam_lr(self.update, self.cfg.d_model, self.args.warmup,
-                                self.args.lr_factor)
+        self.optim.lr = self.lr_at(self.update)
         self.optim.step()
         self.optim.zero_grad()
         return loss_sum, n_tok

@@ -17,6 +17,19 @@ def noam_lr(step, d_model, warmup, factor=1.0):
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
+def linear_decay_lr(step, d_model, warmup, total, factor=1.0):
+    """The same warm-up to the same peak as noam_lr, then a straight line to 0 at ``total``.
+
+    For a run with a fixed budget of ``total`` updates: the rate is still high enough to make
+    progress late in training and reaches zero exactly when training stops, where the inverse
+    square root leaves it at sqrt(warmup / total) of its peak.
+    """
+    step = max(int(step), 1)
+    if step <= warmup:
+        return noam_lr(step, d_model, warmup, factor)
+    return noam_lr(warmup, d_model, warmup, factor) * max(total - step, 0) / max(total - warmup, 1)
+
+
 def clip_grad_norm(params, max_norm):
     """Scale all gradients in place so their global L2 norm is at most ``max_norm``.
 
