@@ -155,6 +155,48 @@ def test_beam_finds_at_least_greedy_score(toy_model):
         assert h and all(h[i][0] >= h[i + 1][0] for i in range(len(h) - 1))
 
 
+def naive_beam_search(model, src_row, beam, alpha, max_len_a):
+    """One sentence, no cache, no top-k shortcuts: every step decodes each live prefix in full
+    and ranks all beam * V continuations, with beam_search's rules (module docstring)."""
+    from minitransformer.engine.softmax import log_softmax
+    cfg, k = model.cfg, beam
+    lp = lambda n: ((5.0 + n) / 6.0) ** alpha  # noqa: E731
+    limit = int((src_row != cfg.pad_id).sum()) + max_len_a
+    with no_grad():
+        memory, mask = model.encode(src_row[None])
+        live, finished, t = [(0.0, [])], [], 0
+        while True:
+            cands = []
+            for score, toks in live:
+                tin = np.array([[cfg.bos_id] + toks])
+                logp = log_softmax(model.logits(model.decode(tin, memory, mask))).data[0, -1]
+                logp = logp.astype(np.float64)
+                logp[[cfg.pad_id, cfg.bos_id]] = -np.inf
+                cands += [(score + logp[v], toks, v) for v in range(len(logp))]
+            top = sorted(cands, key=lambda c: -c[0])[:2 * k]
+            t += 1
+            finished += [(s / lp(t - 1), toks) for s, toks, v in top[:k]
+                         if v == cfg.eos_id and np.isfinite(s)]
+            live = [(s, toks + [v]) for s, toks, v in top if v != cfg.eos_id][:k]
+            if t >= limit:
+                finished += [(s / lp(t), toks) for s, toks in live if np.isfinite(s)]
+                break
+            if len(finished) >= k:
+                break
+    return sorted(finished, key=lambda h: -h[0])
+
+
+@pytest.mark.parametrize("beam", [1, 3, 5])
+def test_beam_search_equals_an_exhaustive_uncached_search(toy_model, beam):
+    src, _, _ = toy_batch(5, B=4, S=6)
+    src[1, 4:] = 0  # one shorter, padded sentence
+    got = beam_search(toy_model, src, beam=beam, alpha=0.6, max_len_a=5, return_all=True)
+    for row, hyps in zip(src, got):
+        want = naive_beam_search(toy_model, row, beam, 0.6, 5)
+        assert [h[1] for h in hyps] == [h[1] for h in want]
+        np.testing.assert_allclose([h[0] for h in hyps], [h[0] for h in want], rtol=1e-9)
+
+
 def test_max_length_is_source_plus_a():
     model = Transformer(tiny_config(), seed=0)  # untrained: rarely emits EOS
     src = np.array([[5, 6, 3]])

@@ -33,10 +33,11 @@ def _forbid(scores, cfg):
     return scores
 
 
-def _select(cache, index):
-    """Keep rows ``index`` (batch axis) of every cached key/value."""
+def _select(cache, index, parts=("self", "cross")):
+    """Keep rows ``index`` (batch axis) of the cached keys/values of the attention ``parts``."""
     for layer in cache:
-        for part in layer.values():
+        for name in parts:
+            part = layer.get(name, {})
             for key in ("k", "v"):
                 if key in part:
                     part[key] = Tensor(part[key].data[index])
@@ -104,18 +105,20 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=50, length_penalty="gnm
         t = 0
         while len(alive):
             h = model.decode(last, memory, src_mask, cache=cache, offset=t)
-            logp = to_numpy(log_softmax(model.logits(h)).data[:, -1]).astype(np.float64)
-            _forbid(logp, model.cfg)
+            logp = _forbid(log_softmax(model.logits(h)).data[:, -1], model.cfg)  # (n*k, V)
             n, V = len(alive), logp.shape[-1]
-            cand = (scores[:, :, None] + logp.reshape(n, k, V)).reshape(n, k * V)
-            # the 2k best candidates of each sentence, best first: at most k of them end in
-            # EOS (one per beam), so at least k continue
-            m = min(2 * k, k * V)
-            top = np.argpartition(-cand, m - 1, axis=1)[:, :m]
-            top_scores = np.take_along_axis(cand, top, 1)
-            order = np.argsort(-top_scores, axis=1, kind="stable")
-            top, top_scores = np.take_along_axis(top, order, 1), np.take_along_axis(top_scores, order, 1)
-            prev, tok = np.divmod(top, V)
+            # The 2k best candidates of each sentence, best first: at most k of them end in
+            # EOS (one per beam), so at least k continue. Each of them is among the 2k best
+            # tokens of its own beam, so those are found first, on the device and in the
+            # model's precision (one pass over (n*k, V)); only n*k*2k numbers come back.
+            m = min(2 * k, V)
+            best = xp.argpartition(logp, V - m, axis=1)[:, V - m:]  # (n*k, m), any order
+            best_lp = to_numpy(xp.take_along_axis(logp, best, 1)).astype(np.float64)
+            best = to_numpy(best).reshape(n, k * m)
+            cand = (scores[:, :, None] + best_lp.reshape(n, k, m)).reshape(n, k * m)
+            order = np.argsort(-cand, axis=1, kind="stable")[:, :2 * k]
+            top_scores = np.take_along_axis(cand, order, 1)
+            prev, tok = order // m, np.take_along_axis(best, order, 1)
             ends = (tok == eos) & np.isfinite(top_scores)
             t += 1
             lp = _length_penalty(t - 1, alpha, length_penalty)
@@ -137,10 +140,13 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=50, length_penalty="gnm
             kb = np.nonzero(open_)[0]
             if not len(kb):
                 break
-            if len(kb) < n:
+            if len(kb) < n:  # sentences left: drop their blocks of k rows
                 block_rows = xp.asarray((kb[:, None] * k + np.arange(k)).reshape(-1))
                 memory, src_mask = Tensor(memory.data[block_rows]), src_mask[block_rows]
-            _select(cache, xp.asarray((kb[:, None] * k + prev[kb]).reshape(-1)))
+                # encoder-decoder keys/values are the same for the k beams of a sentence,
+                # so reordering beams never changes them: only dropped blocks are removed
+                _select(cache, block_rows, parts=("cross",))
+            _select(cache, xp.asarray((kb[:, None] * k + prev[kb]).reshape(-1)), parts=("self",))
             alive, tokens, scores = alive[kb], new_tokens[kb], new_scores[kb]
             last = xp.asarray(tokens[:, :, -1].reshape(-1, 1)).astype(src.dtype)
         results = []
