@@ -1,5 +1,8 @@
 """The tape and the engine: accumulation, broadcasting, no_grad, errors, user Functions,
 and gradcheck itself (it must pass right gradients and catch wrong ones)."""
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -138,6 +141,21 @@ def test_saved_arrays_are_released_after_backward(xp, arrays):
     assert node.y is not None
     y.sum().backward()
     assert node.released and node.y is None
+
+
+def test_the_graph_does_not_keep_intermediate_arrays_alive(xp, arrays, assert_close):
+    # h is an input of ReLU, which saves only its output: once the caller drops h, its
+    # array must be freed even though the graph through it is still waiting for backward
+    # (holding every intermediate doubled a model's activation memory).
+    x = leaf(arrays, 64, 64)
+    h = x + 1.0
+    array_ref = weakref.ref(h.data)
+    y = h.relu()
+    del h
+    gc.collect()
+    assert array_ref() is None, "the tape kept an intermediate array that no op saved"
+    y.sum().backward()
+    assert_close(x.grad, (x.numpy() + 1.0 > 0).astype(np.float64), 0, 0, "d relu(x + 1)/dx")
 
 
 # ---- user-defined Functions ---------------------------------------------------------------------

@@ -222,6 +222,14 @@ def as_tensor(x, like=None):
     return Tensor(x)
 
 
+class _Edge:
+    """What the tape walk needs of a non-leaf (or constant) input: its node and shape, no data."""
+    __slots__ = ("node", "shape", "requires_grad")
+
+    def __init__(self, t):
+        self.node, self.shape, self.requires_grad = t.node, t.shape, t.requires_grad
+
+
 class Function:
     """One op: ``forward`` on raw arrays, ``backward`` on raw arrays, side by side.
 
@@ -243,7 +251,11 @@ class Function:
         out = fn.forward(*(t.data for t in tensors))
         out = Tensor(out)
         if _grad_enabled and any(t.requires_grad for t in tensors):
-            fn.inputs = tensors
+            # Parameters are kept (their .grad is where gradients land); every other input
+            # is kept as an edge without its array, so an intermediate result is freed as
+            # soon as neither the model's code nor a forward that saved it holds it.
+            fn.inputs = tuple(t if t.node is None and t.requires_grad else _Edge(t)
+                              for t in tensors)
             fn.tape_index = next(_tape_counter)
             out.requires_grad = True
             out.node = fn
