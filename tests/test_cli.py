@@ -143,6 +143,18 @@ def test_config_file_and_flag_precedence(tmp_path):
         train_cli.parse_args(["--config", str(tmp_path / "c.json")])
 
 
+@pytest.mark.parametrize("recipe", sorted(os.listdir(os.path.join(ROOT, "recipes"))))
+def test_shipped_recipes_use_only_known_options(recipe):
+    # parse_args rejects unknown keys, so a misspelt option in a recipe fails here, not an
+    # hour into a user's run
+    path = os.path.join(ROOT, "recipes", recipe)
+    args = train_cli.parse_args(["--config", path, "--data", "DATA"])
+    options = train_cli.load_config_file(path)
+    assert options and all(getattr(args, k) == v for k, v in options.items()), options
+    if args.lr_schedule == "linear":
+        assert args.max_updates, f"{recipe}: the linear schedule needs max-updates"
+
+
 @pytest.mark.slow
 def test_train_translate_score_end_to_end(tmp_path):
     """A few hundred updates on the synthetic corpus, then translate.py and sacreBLEU."""
