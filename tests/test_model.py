@@ -3,9 +3,10 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
+from minitransformer.backend import to_numpy
 from minitransformer.engine.tensor import no_grad
 from minitransformer.mt import checkpoint as ckpt
-from minitransformer.mt.search import beam_search, greedy_search
+from minitransformer.mt.search import beam_search, greedy_search, top_m
 from minitransformer.nn.transformer import Transformer, TransformerConfig, preset, sinusoids
 
 V = 23
@@ -127,6 +128,23 @@ def trained_toy_model():
 @pytest.fixture(scope="module")
 def toy_model():
     return trained_toy_model()
+
+
+@pytest.mark.parametrize("V, m", [(6000, 8), (8000, 8), (37, 6), (100, 2), (5, 5)])
+def test_top_m_finds_the_m_largest_of_each_row(xp, V, m):
+    # against a full sort; rows with -inf entries (forbidden tokens) and with the largest
+    # values crowded into one group of columns, the case the group pruning must get right
+    rng = np.random.default_rng(V + m)
+    x = rng.standard_normal((12, V)).astype(np.float32)
+    x[0, : V // 2] = -np.inf
+    G = -(-V // 32)
+    x[1, np.arange(m) * G % V] = 10.0 + np.arange(m)  # all in group 0 when G > m
+    x[2] = -np.arange(V, dtype=np.float32)  # best columns first
+    got = to_numpy(top_m(xp, xp.asarray(x), m))
+    assert got.shape == (12, m)
+    want = np.argsort(-x, axis=1, kind="stable")[:, :m]
+    for r in range(12):
+        assert sorted(got[r]) == sorted(want[r]), (r, sorted(got[r]), sorted(want[r]))
 
 
 def test_beam_one_equals_greedy(toy_model):
