@@ -35,25 +35,38 @@ class LinearCrossEntropy(Function):
             self.dh = xp.empty_like(h2)
             self.dw = xp.zeros_like(w)
         total = xp.zeros((), dtype=h.dtype)
+        # sum_v z_nv = h_n . w_sum with w_sum = sum_v W_v: the smoothing term's row sums
+        # (and, below, its gradient) without a pass over the logits
+        w_sum = w.sum(axis=1) if dv else w.sum(axis=0)  # (D,)
+        h_sum = xp.zeros_like(w_sum)  # sum of h_n over non-padding rows
         rows = max(1, CHUNK_ELEMENTS // V)
         for a in range(0, h2.shape[0], rows):
             hc, tcc, vc = h2[a:a + rows], tc[a:a + rows], valid[a:a + rows]
             z = hc @ w if dv else hc @ w.T  # (n, V)
             r = xp.arange(z.shape[0])
-            z_t, z_sum = z[r, tcc], z.sum(axis=1)
+            z_t, z_sum = z[r, tcc], hc @ w_sum
             m = z.max(axis=1, keepdims=True)
             z -= m
-            xp.exp(z, out=z)  # z is now exp(z - max)
-            s = z.sum(axis=1, keepdims=True)
-            lse = m[:, 0] + xp.log(s[:, 0])
+            xp.exp(z, out=z)  # z is now e = exp(z - max)
+            s = z.sum(axis=1)
+            lse = m[:, 0] + xp.log(s)
             total += ((lse - c_o * z_sum - (c_t - c_o) * z_t) * vc).sum()
             if self.compute_grad:
-                z *= one / s  # softmax(z)
-                z -= h.dtype.type(c_o)
-                z[r, tcc] -= h.dtype.type(c_t - c_o)  # dz = p - q
-                z *= vc[:, None]
-                self.dh[a:a + rows] = z @ (w.T if dv else w)
-                self.dw += (hc.T @ z) if dv else (z.T @ hc)
+                # dz = [valid] * (e / s - c_o - (c_t - c_o) * onehot(t))
+                #    = [valid] / s * e' - [valid] * c_o,  e' = e - (c_t - c_o) * s * onehot(t),
+                # so the row scale [valid] / s and the constant c_o go into the (n, D) side
+                # of the products: dh = scale * (e' W) - [valid] c_o w_sum,
+                # dW = e'^T (scale * h) - c_o * (sum of valid h_n) for every row v.
+                z[r, tcc] -= h.dtype.type(c_t - c_o) * s
+                scale = (vc / s).astype(h.dtype)[:, None]  # (n, 1); 0 on padding rows
+                self.dh[a:a + rows] = (z @ (w.T if dv else w)) * scale \
+                    - h.dtype.type(c_o) * vc[:, None] * w_sum
+                hs = hc * scale
+                self.dw += (hs.T @ z) if dv else (z.T @ hs)
+                h_sum += (hc * vc[:, None]).sum(axis=0)
+        if self.compute_grad:
+            c = h.dtype.type(c_o)
+            self.dw -= (c * h_sum)[:, None] if dv else c * h_sum  # the c_o term of dW
         self.h_shape = h.shape
         return total
 
