@@ -73,10 +73,12 @@ def test_linear_schedule_reaches_zero_at_max_updates(tmp_path):
     assert json.load(open(os.path.join(run, "config.json")))["train"]["lr_schedule"] == "linear"
 
 
-def test_linear_schedule_needs_max_updates(tmp_path):
-    with pytest.raises(SystemExit, match="--max-updates"):
+@pytest.mark.parametrize("max_updates", ["0", "50"])
+def test_linear_schedule_needs_max_updates_beyond_warmup(tmp_path, max_updates):
+    with pytest.raises(SystemExit, match="--max-updates N with N > --warmup"):
         run_train("--run-dir", str(tmp_path / "run"), "--lr-schedule", "linear",
-                  "--max-updates", "0")
+                  "--warmup", "50", "--max-updates", max_updates)
+    assert not os.path.exists(tmp_path / "run" / "spm.model")  # refused before any work
 
 
 def test_existing_run_is_never_overwritten(tmp_path, capsys):

@@ -140,10 +140,16 @@ def test_top_m_finds_the_m_largest_of_each_row(xp, V, m):
     G = -(-V // 32)
     x[1, np.arange(m) * G % V] = 10.0 + np.arange(m)  # all in group 0 when G > m
     x[2] = -np.arange(V, dtype=np.float32)  # best columns first
+    x[3, :] = -np.inf  # fewer than m entries above -inf: ties at -inf, all ids in range
+    x[3, :: max(1, V // (m - 1))][: m - 1] = 1.0
     got = to_numpy(top_m(xp, xp.asarray(x), m))
     assert got.shape == (12, m)
     want = np.argsort(-x, axis=1, kind="stable")[:, :m]
+    assert ((0 <= got) & (got < V)).all() and all(len(set(row)) == m for row in got.tolist())
     for r in range(12):
+        if r == 3:  # only the finite entries are determined
+            assert set(np.nonzero(np.isfinite(x[3]))[0]) <= set(got[3].tolist())
+            continue
         assert sorted(got[r]) == sorted(want[r]), (r, sorted(got[r]), sorted(want[r]))
 
 

@@ -57,14 +57,21 @@ def top_m(xp, x, m, groups_of=32):
     G = -(-V // groups_of)
     if G <= m:  # a small vocabulary: select directly
         return xp.argpartition(x, V - m, axis=1)[:, V - m:]
-    if G * groups_of != V:  # pad to whole groups with -inf, which is never among the best
-        x = xp.concatenate([x, xp.full((R, G * groups_of - V), -xp.inf, dtype=x.dtype)], 1)
-    group_max = x.reshape(R, groups_of, G).max(axis=1)  # (R, G)
+    padded = x
+    if G * groups_of != V:  # pad to whole groups with -inf
+        padded = xp.concatenate([x, xp.full((R, G * groups_of - V), -xp.inf, x.dtype)], 1)
+    group_max = padded.reshape(R, groups_of, G).max(axis=1)  # (R, G)
     best_groups = xp.argpartition(group_max, G - m, axis=1)[:, G - m:]  # (R, m)
     cols = (best_groups[:, :, None] + G * xp.arange(groups_of)).reshape(R, m * groups_of)
     n = m * groups_of
-    pick = xp.argpartition(xp.take_along_axis(x, cols, 1), n - m, axis=1)[:, n - m:]
-    return xp.take_along_axis(cols, pick, 1)
+    pick = xp.argpartition(xp.take_along_axis(padded, cols, 1), n - m, axis=1)[:, n - m:]
+    top = xp.take_along_axis(cols, pick, 1)
+    # A padding column can only be picked in a tie at -inf, when a row has fewer than m
+    # entries above -inf: such rows are selected directly.
+    short = (top >= V).any(axis=1)
+    if bool(short.any()):
+        top[short] = xp.argpartition(x[short], V - m, axis=1)[:, V - m:]
+    return top
 
 
 def greedy_search(model, src, max_len_a=50):

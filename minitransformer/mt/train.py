@@ -204,10 +204,10 @@ class Trainer:
             raise SystemExit(f"error: --run-dir {self.run_dir} already holds a run "
                              "(checkpoint_last.npz); pass --resume to continue it or choose "
                              "another --run-dir (nothing was overwritten)")
-        self._prepare_data()
-        if args.lr_schedule == "linear" and not args.max_updates:
+        if args.lr_schedule == "linear" and not (args.max_updates or 0) > args.warmup:
             raise SystemExit("error: --lr-schedule linear decays to 0 at --max-updates; "
-                             "give --max-updates N (N > --warmup)")
+                             f"give --max-updates N with N > --warmup ({args.warmup})")
+        self._prepare_data()
         self.cfg = self._model_config()
         if self.main and not args.resume:
             atomic_write_text(cfg_path, json.dumps(
