@@ -81,6 +81,15 @@ def test_linear_schedule_needs_max_updates_beyond_warmup(tmp_path, max_updates):
     assert not os.path.exists(tmp_path / "run" / "spm.model")  # refused before any work
 
 
+def test_linear_schedule_checks_against_the_default_warmup(tmp_path):
+    # without --warmup the data source's default (4000 for --data) is what counts
+    (tmp_path / "data").mkdir()
+    with pytest.raises(SystemExit, match=r"N > --warmup \(4000\)"):
+        train_cli.main(["--run-dir", str(tmp_path / "run"), "--data", str(tmp_path / "data"),
+                        "--src-lang", "en", "--tgt-lang", "de", "--lr-schedule", "linear",
+                        "--max-updates", "1000"])
+
+
 def test_existing_run_is_never_overwritten(tmp_path, capsys):
     run = str(tmp_path / "run")
     assert run_train("--run-dir", run, "--max-updates", "2", "--valid-every", "100") == 0
