@@ -46,6 +46,37 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     assert max(updates) == 24
 
 
+def test_subword_regularization_resumes_exactly_across_epochs(tmp_path):
+    """--subword-alpha: a new segmentation every epoch, still bit-for-bit resumable."""
+    opts = ["--synthetic-pairs", "200", "--spm-type", "unigram", "--subword-alpha", "0.3",
+            "--valid-every", "8"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run_train("--run-dir", straight, "--max-updates", "24", *opts) == 0
+    assert run_train("--run-dir", split, "--max-updates", "11", *opts) == 0
+    assert run_train("--run-dir", split, "--max-updates", "24", "--resume") == 0
+    a = params_of(os.path.join(straight, "checkpoint_last.npz"))
+    b = params_of(os.path.join(split, "checkpoint_last.npz"))
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    meta = ckpt.load_checkpoint(os.path.join(split, "checkpoint_last.npz"))[2]
+    assert meta["data"]["epoch"] >= 2  # the run crossed epochs, each with its own segmentation
+    cfg = json.load(open(os.path.join(split, "config.json")))
+    assert cfg["train"]["subword_alpha"] == 0.3 and cfg["train"]["subword_nbest"] == 16
+    # without sampling the same run trains on other tokens and ends elsewhere
+    plain = str(tmp_path / "plain")
+    assert run_train("--run-dir", plain, "--max-updates", "24", *opts[:-4], "--valid-every",
+                     "8") == 0
+    c = params_of(os.path.join(plain, "checkpoint_last.npz"))
+    assert any(not np.array_equal(a[k], c[k]) for k in a)
+
+
+def test_subword_regularization_needs_a_unigram_model(tmp_path, capsys):
+    assert run_train("--run-dir", str(tmp_path / "r"), "--max-updates", "2",
+                     "--subword-alpha", "0.5") != 0  # the synthetic corpus defaults to BPE
+    err = capsys.readouterr().err
+    assert "--spm-type unigram" in err and "--subword-alpha" in err
+
+
 def test_run_directory_layout_and_periodic_pruning(tmp_path):
     run = str(tmp_path / "run")
     assert run_train("--run-dir", run, "--max-updates", "20", "--valid-every", "4",

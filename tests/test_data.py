@@ -196,6 +196,66 @@ def test_resume_yields_exactly_the_uninterrupted_batches(steps):
     assert [next(resumed) for _ in range(2 * n)] == expected
 
 
+def toy_resegment(src, tgt):
+    """A stand-in for SubwordSampler: each call splits a random half of the tokens in two
+    (id t -> t, t + 1000), so lengths, and with them the batches, change every epoch."""
+    def split(ids, rng):
+        out = []
+        for seq in ids:
+            cut = rng.random(len(seq)) < 0.5
+            out.append([x for t, c in zip(seq, cut) for x in ((t, t + 1000) if c else (t,))])
+        return out
+
+    calls = []
+
+    def resegment(rng):
+        calls.append(1)
+        return split(src, rng), split(tgt, rng)
+    return resegment, calls
+
+
+def test_resegmenting_gives_each_epoch_its_own_tokens_and_batches():
+    src, tgt = random_pairs(300, seed=8)
+    resegment, calls = toy_resegment(src, tgt)
+    batches = Batches(src, tgt, max_tokens=90, max_len=40, seed=2, resegment=resegment)
+    expected_src = [toy_resegment(src, tgt)[0](np.random.default_rng([2, e, 1]))[0]
+                    for e in range(3)]
+    drawn = []
+    for epoch in range(3):
+        n = len(batches)
+        assert batches.state_dict() == {"epoch": epoch, "index": 0}
+        pairs = [pair for _ in range(n) for pair in next(batches)]
+        drawn.append(pairs)
+        kept = [s for s, t in zip(expected_src[epoch], toy_resegment(src, tgt)[0](
+            np.random.default_rng([2, epoch, 1]))[1]) if len(s) < 40 and len(t) < 40]
+        assert sorted(map(str, (s for s, _ in pairs))) == sorted(map(str, kept))
+        for indices in batches.epoch_batches(epoch):
+            b = collate(batches.pairs(indices, epoch), PAD, BOS, EOS)
+            if len(indices) > 1:
+                assert b["src"].size <= 90 and b["tgt_in"].size <= 90
+    assert drawn[0] != drawn[1] != drawn[2]
+    assert len(calls) <= 4  # one segmentation per epoch, not one per batch
+
+
+@pytest.mark.parametrize("steps", [0, 5, "epoch-1", "epoch+3"])
+def test_resegmented_batches_resume_exactly(steps):
+    src, tgt = random_pairs(200, seed=6)
+
+    def make():
+        return Batches(src, tgt, max_tokens=70, max_len=30, seed=3,
+                       resegment=toy_resegment(src, tgt)[0])
+    n = len(make())
+    steps = {"epoch-1": n - 1, "epoch+3": n + 3}.get(steps, steps)
+    uninterrupted = make()
+    expected = [next(uninterrupted) for _ in range(steps + 3 * n)][steps:]
+    first = make()
+    for _ in range(steps):
+        next(first)
+    resumed = make()
+    resumed.load_state_dict(dict(first.state_dict()))
+    assert [next(resumed) for _ in range(3 * n)] == expected
+
+
 def test_load_state_dict_rejects_a_position_that_does_not_fit():
     src, tgt = random_pairs(50)
     batches = Batches(src, tgt, max_tokens=60)

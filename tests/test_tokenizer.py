@@ -1,12 +1,13 @@
 """The sentencepiece wrapper: fixed special ids, exact round trips, deterministic training."""
 import re
 
+import numpy as np
 import pytest
 import sentencepiece as spm
 
 from minitransformer.mt import synthetic
 from minitransformer.mt.data import DataError
-from minitransformer.mt.tokenizer import Tokenizer, train_sentencepiece
+from minitransformer.mt.tokenizer import SubwordSampler, Tokenizer, train_sentencepiece
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +106,59 @@ def test_loading_errors_name_the_file(tmp_path, corpus):
                                    vocab_size=100, minloglevel=2)
     with pytest.raises(DataError, match="no pad, bos or eos id"):
         Tokenizer(tmp_path / "plain.model")
+
+
+# ----------------------------------------------------------------------------- subword sampling
+
+def nbest_with_probabilities(tok, line, nbest, alpha):
+    """The n best segmentations of ``line`` and P(x)^alpha normalised, from sentencepiece
+    directly (the sampler's flat arrays are not used)."""
+    segs = tok.sp.nbest_encode(line, nbest_size=nbest, out_type=int)
+    log_p = np.array([sum(tok.sp.get_score(i) for i in seg) for seg in segs])
+    w = np.exp(alpha * (log_p - log_p.max()))
+    return [tuple(seg) for seg in segs], w / w.sum()
+
+
+def test_sampled_segmentations_spell_the_sentence_and_vary(tok, corpus):
+    lines = lines_of(corpus["valid"][1])[:60]
+    sampler = SubwordSampler(tok, lines, alpha=0.3, nbest=8)
+    assert len(sampler) == len(lines)
+    first = sampler(np.random.default_rng(0))
+    assert sampler(np.random.default_rng(0)) == first  # the generator decides everything
+    second = sampler(np.random.default_rng(1))
+    assert first != second
+    for line, a, b in zip(lines, first, second):
+        assert tok.decode([a]) == [line] and tok.decode([b]) == [line]
+        allowed = set(nbest_with_probabilities(tok, line, 8, 0.3)[0])
+        assert tuple(a) in allowed and tuple(b) in allowed
+    assert sum(a != v for a, v in zip(first, tok.encode(lines))) > len(lines) // 4
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5])
+def test_segmentations_are_drawn_with_probability_p_to_the_alpha(tok, corpus, alpha):
+    """20000 draws for one sentence against P(x)^alpha / Z over its 6 best segmentations."""
+    line = lines_of(corpus["valid"][1])[0]
+    segs, expected = nbest_with_probabilities(tok, line, 6, alpha)
+    assert len(segs) == 6
+    sampler = SubwordSampler(tok, [line] * 20000, alpha=alpha, nbest=6)
+    drawn = sampler(np.random.default_rng(3))
+    counts = np.array([sum(tuple(d) == seg for d in drawn) for seg in segs])
+    assert counts.sum() == 20000
+    assert np.abs(counts / 20000 - expected).max() < 0.015, (counts / 20000, expected)
+
+
+def test_a_large_alpha_gives_the_best_segmentation(tok, corpus):
+    lines = lines_of(corpus["valid"][0])[:40]
+    sampler = SubwordSampler(tok, lines, alpha=200.0, nbest=4)
+    assert sampler(np.random.default_rng(5)) == tok.encode(lines)
+
+
+def test_subword_sampling_errors(tok, corpus, tmp_path):
+    with pytest.raises(DataError, match="--subword-alpha"):
+        SubwordSampler(tok, ["a"], alpha=-1)
+    with pytest.raises(DataError, match="--subword-nbest"):
+        SubwordSampler(tok, ["a"], alpha=0.5, nbest=1)
+    bpe = Tokenizer(train_sentencepiece(list(corpus["train"]), tmp_path / "bpe", 150,
+                                        model_type="bpe"))
+    with pytest.raises(DataError, match=r"bpe.model.*--spm-type unigram"):
+        SubwordSampler(bpe, lines_of(corpus["valid"][1])[:2], alpha=0.5)

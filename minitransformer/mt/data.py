@@ -89,41 +89,68 @@ class Batches:
     seed and the epoch number. With shuffle=False ties keep input order and batches come
     shortest first.
 
+    ``resegment`` (optional) gives every epoch its own tokenization of the same sentences
+    (subword regularization, ``tokenizer.SubwordSampler``): a function of a NumPy generator
+    returning new (src_ids, tgt_ids) lists. It is called with a generator seeded with
+    (seed, epoch, 1), so this too is a function of the seed and the epoch; lengths, dropped
+    pairs and the number of batches may then differ a little from epoch to epoch.
+    ``src_ids`` / ``tgt_ids`` are still needed: they fix the pairs and, with ``max_len``,
+    report pairs that are too long before training starts.
+
     Iterating yields batches forever, epoch after epoch, each a list of (src_ids, tgt_ids);
     ``state_dict()`` / ``load_state_dict()`` save and restore the position, so that a resumed
     run yields exactly the batches an uninterrupted one would have.
     """
 
-    def __init__(self, src_ids, tgt_ids, max_tokens, max_len=None, seed=0, shuffle=True):
+    def __init__(self, src_ids, tgt_ids, max_tokens, max_len=None, seed=0, shuffle=True,
+                 resegment=None):
         if len(src_ids) != len(tgt_ids):
             raise DataError(f"{len(src_ids)} source but {len(tgt_ids)} target sentences")
         if max_tokens < 1:
             raise DataError(f"--max-tokens must be positive, got {max_tokens}")
         if max_len is not None and max_len < 2:
             raise DataError(f"--max-len must be at least 2 (one token and EOS), got {max_len}")
-        self.src_ids, self.tgt_ids = src_ids, tgt_ids
         self.max_tokens, self.max_len = int(max_tokens), max_len
         self.seed, self.shuffle = int(seed), bool(shuffle)
-
-        src_len = np.array([len(s) + 1 for s in src_ids], dtype=np.int64)  # + EOS
-        tgt_len = np.array([len(t) + 1 for t in tgt_ids], dtype=np.int64)  # + BOS / EOS
-        keep = np.ones(len(src_ids), dtype=bool)
-        if max_len is not None:
-            keep = (src_len <= max_len) & (tgt_len <= max_len)
-        self.kept = np.flatnonzero(keep)  # indices into src_ids / tgt_ids
-        self.dropped = len(src_ids) - len(self.kept)
-        if len(self.kept) == 0:
-            raise DataError(f"all {len(src_ids)} pairs are longer than --max-len {max_len} "
-                            "tokens (EOS included); raise --max-len")
-        self._src_len, self._tgt_len = src_len[self.kept], tgt_len[self.kept]
-
-        # The batch boundaries depend only on the sequence of (S, T) lengths in sorted order,
-        # which is the same whatever order the ties take, so they are cut once for all epochs.
-        order = np.lexsort((self._tgt_len, self._src_len))
-        self._bounds = self._cut(self._src_len[order].tolist(), self._tgt_len[order].tolist())
+        self.resegment = resegment
+        self._layouts = {}  # epoch -> _Layout; only one entry when resegmenting
+        self._fixed = self._layout(src_ids, tgt_ids)
+        self.src_ids, self.tgt_ids = src_ids, tgt_ids
+        self.dropped = self._fixed.dropped
 
         self.epoch, self.index = 0, 0  # the next batch is epoch_batches(epoch)[index]
         self._cached_epoch, self._cached_batches = None, None
+
+    def _layout(self, src_ids, tgt_ids):
+        """Lengths, kept pairs and batch boundaries of one tokenization of the corpus."""
+        src_len = np.array([len(s) + 1 for s in src_ids], dtype=np.int64)  # + EOS
+        tgt_len = np.array([len(t) + 1 for t in tgt_ids], dtype=np.int64)  # + BOS / EOS
+        keep = np.ones(len(src_ids), dtype=bool)
+        if self.max_len is not None:
+            keep = (src_len <= self.max_len) & (tgt_len <= self.max_len)
+        kept = np.flatnonzero(keep)  # indices into src_ids / tgt_ids
+        if len(kept) == 0:
+            raise DataError(f"all {len(src_ids)} pairs are longer than --max-len {self.max_len} "
+                            "tokens (EOS included); raise --max-len")
+        src_len, tgt_len = src_len[kept], tgt_len[kept]
+        # The batch boundaries depend only on the sequence of (S, T) lengths in sorted order,
+        # which is the same whatever order the ties take, so they are cut once per tokenization.
+        order = np.lexsort((tgt_len, src_len))
+        bounds = self._cut(src_len[order].tolist(), tgt_len[order].tolist())
+        return _Layout(src_ids, tgt_ids, kept, src_len, tgt_len, bounds,
+                       len(src_ids) - len(kept))
+
+    def _epoch_layout(self, epoch):
+        if self.resegment is None:
+            return self._fixed
+        epoch = int(epoch)
+        if epoch not in self._layouts:
+            src_ids, tgt_ids = self.resegment(np.random.default_rng([self.seed, epoch, 1]))
+            if len(src_ids) != len(self.src_ids) or len(tgt_ids) != len(self.tgt_ids):
+                raise DataError(f"resegment returned {len(src_ids)} / {len(tgt_ids)} sentences "
+                                f"for a corpus of {len(self.src_ids)} pairs")
+            self._layouts = {epoch: self._layout(src_ids, tgt_ids)}  # keep one epoch's ids
+        return self._layouts[epoch]
 
     def _cut(self, src_len, tgt_len):
         """[(start, end)] slices of the sorted pairs, each batch as large as the budget allows."""
@@ -138,39 +165,44 @@ class Batches:
         return bounds
 
     def __len__(self):
-        """Batches per epoch (the same for every epoch)."""
-        return len(self._bounds)
+        """Batches per epoch (of the current epoch; the same for every epoch unless
+        resegmenting)."""
+        return len(self._epoch_layout(self.epoch).bounds)
 
     def epoch_batches(self, epoch):
         """The batches of epoch ``epoch`` in the order they are yielded, as lists of indices
-        into ``src_ids`` / ``tgt_ids``."""
+        into the pairs (``pairs(indices, epoch)`` gives the pairs)."""
+        lay = self._epoch_layout(epoch)
         if self.shuffle:
             rng = np.random.default_rng([self.seed, int(epoch)])
-            ties = rng.random(len(self.kept))
+            ties = rng.random(len(lay.kept))
         else:
-            ties = np.arange(len(self.kept))
-        order = self.kept[np.lexsort((ties, self._tgt_len, self._src_len))]
-        batches = [order[a:b].tolist() for a, b in self._bounds]
+            ties = np.arange(len(lay.kept))
+        order = lay.kept[np.lexsort((ties, lay.tgt_len, lay.src_len))]
+        batches = [order[a:b].tolist() for a, b in lay.bounds]
         if self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
         return batches
 
-    def pairs(self, indices):
-        """Indices -> the list of (src_ids, tgt_ids) pairs they name."""
-        return [(self.src_ids[i], self.tgt_ids[i]) for i in indices]
+    def pairs(self, indices, epoch=0):
+        """Indices -> the list of (src_ids, tgt_ids) pairs they name (as tokenized in
+        ``epoch``, which matters only when resegmenting)."""
+        lay = self._epoch_layout(epoch)
+        return [(lay.src_ids[i], lay.tgt_ids[i]) for i in indices]
 
     def __iter__(self):
         return self
 
     def __next__(self):
         """The next batch as a list of (src_ids, tgt_ids); never stops (epochs roll over)."""
-        if self._cached_epoch != self.epoch:
-            self._cached_epoch, self._cached_batches = self.epoch, self.epoch_batches(self.epoch)
+        epoch = self.epoch
+        if self._cached_epoch != epoch:
+            self._cached_epoch, self._cached_batches = epoch, self.epoch_batches(epoch)
         batch = self._cached_batches[self.index]
         self.index += 1
-        if self.index == len(self):  # roll over now, so that "epoch" counts finished epochs
+        if self.index == len(self._cached_batches):  # roll over now: "epoch" counts finished ones
             self.epoch, self.index = self.epoch + 1, 0
-        return self.pairs(batch)
+        return self.pairs(batch, epoch)
 
     def state_dict(self):
         """The position: the next batch is ``epoch_batches(epoch)[index]``; ``epoch`` is also
@@ -179,10 +211,20 @@ class Batches:
 
     def load_state_dict(self, state):
         epoch, index = int(state["epoch"]), int(state["index"])
-        if epoch < 0 or not 0 <= index < len(self):
-            raise DataError(f"batch position {state} does not fit {len(self)} batches per "
-                            "epoch; resume with the same data, --max-tokens and --max-len")
+        if epoch < 0 or not 0 <= index < len(self._epoch_layout(epoch).bounds):
+            raise DataError(f"batch position {state} does not fit the batches of epoch {epoch}; "
+                            "resume with the same data, --max-tokens, --max-len and "
+                            "--subword-alpha")
         self.epoch, self.index = epoch, index
+
+
+class _Layout:
+    """One tokenization of the corpus as ``Batches`` sees it."""
+    __slots__ = ("src_ids", "tgt_ids", "kept", "src_len", "tgt_len", "bounds", "dropped")
+
+    def __init__(self, src_ids, tgt_ids, kept, src_len, tgt_len, bounds, dropped):
+        self.src_ids, self.tgt_ids, self.kept = src_ids, tgt_ids, kept
+        self.src_len, self.tgt_len, self.bounds, self.dropped = src_len, tgt_len, bounds, dropped
 
 
 def collate(pairs, pad_id, bos_id, eos_id):

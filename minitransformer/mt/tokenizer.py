@@ -177,3 +177,62 @@ class Tokenizer:
 
     def __repr__(self):
         return f"Tokenizer({self.model_path!r}, vocab_size={self.vocab_size})"
+
+
+class SubwordSampler:
+    """Subword regularization (Kudo, 2018): a fresh segmentation of the same sentences per call.
+
+    A unigram model gives a segmentation x = (x_1 .. x_m) of a sentence the probability
+    P(x) = prod_i p(x_i). Training on the single most likely segmentation shows the model one
+    way to spell each word; sampling a different segmentation every epoch shows it several,
+    which regularizes the model the way dropout does (Kudo reports +1 to +2 BLEU on small
+    corpora). Here each sentence's ``nbest`` most likely segmentations are found once, and
+    every call picks one of them per sentence with probability proportional to P(x)^alpha:
+    alpha = 0 picks uniformly among the n best, a large alpha almost always picks the best.
+
+    The randomness comes only from the generator passed in (a Gumbel-max draw per sentence),
+    so an epoch's segmentation is reproducible, and every rank of a multi-GPU run draws the
+    same one. (sentencepiece's own sampling uses a process-wide generator that can't be
+    re-seeded reliably.) Needs a unigram model: BPE has no probabilities to sample from.
+    """
+
+    def __init__(self, tokenizer, lines, alpha, nbest=16):
+        if alpha < 0:
+            raise DataError(f"--subword-alpha must be >= 0, got {alpha}")
+        if nbest < 2:
+            raise DataError(f"--subword-nbest must be at least 2, got {nbest}")
+        sp = tokenizer.sp
+        try:
+            cands = sp.nbest_encode(list(lines), nbest_size=int(nbest), out_type=int)
+        except RuntimeError:
+            raise DataError(f"{tokenizer.model_path}: subword sampling needs a unigram model "
+                            "(--spm-type unigram); set --subword-alpha 0 or train a new run "
+                            "with a unigram model") from None
+        log_p = np.array([sp.get_score(i) for i in range(tokenizer.vocab_size)])
+        log_p[tokenizer.unk_id] = log_p.min() - 10.0  # sentencepiece's own penalty for <unk>
+        # All candidates of all sentences in one flat array: candidate c is
+        # ids[starts[c]:starts[c + 1]]; sentence j owns candidates first[j] .. first[j + 1] - 1.
+        flat = [seg for c in cands for seg in c]
+        lengths = np.array([len(seg) for seg in flat], dtype=np.int64)
+        self.ids = np.fromiter((i for seg in flat for i in seg), dtype=np.int32,
+                               count=int(lengths.sum()))
+        self.starts = np.concatenate([[0], np.cumsum(lengths)])
+        counts = np.array([len(c) for c in cands], dtype=np.int64)
+        self.first = np.concatenate([[0], np.cumsum(counts)])
+        self.sentence_of = np.repeat(np.arange(len(cands)), counts)
+        # log P(x) = sum of the pieces' log-probabilities, as differences of a running sum
+        running = np.concatenate([[0.0], np.cumsum(log_p[self.ids])])
+        self.logit = alpha * (running[self.starts[1:]] - running[self.starts[:-1]])
+
+    def __len__(self):
+        return len(self.first) - 1
+
+    def __call__(self, rng):
+        """One segmentation of every sentence -> list of id lists, drawn with ``rng``."""
+        key = self.logit + rng.gumbel(size=len(self.logit))
+        # the candidate with the largest key in each sentence (Gumbel-max: a draw from
+        # softmax(logit) within the sentence); sort by (sentence, -key), take each first
+        order = np.lexsort((-key, self.sentence_of))
+        chosen = order[self.first[:-1]]
+        ids, starts = self.ids, self.starts
+        return [ids[starts[c]:starts[c + 1]].tolist() for c in chosen]

@@ -25,7 +25,7 @@ from ..optim import Adam, clip_grad_norm, linear_decay_lr, noam_lr
 from . import checkpoint as ckpt
 from .fileio import atomic_write_text
 from .data import Batches, DataError, collate, read_parallel
-from .tokenizer import Tokenizer, train_sentencepiece
+from .tokenizer import SubwordSampler, Tokenizer, train_sentencepiece
 from .translation import corpus_bleu, translate_lines
 
 MODEL_FLAGS = ["d_model", "n_heads", "d_ff", "n_layers", "dropout", "attention_dropout",
@@ -53,6 +53,12 @@ def build_parser():
     g.add_argument("--spm-type", default=None, choices=["unigram", "bpe", "char", "word"],
                    help="sentencepiece algorithm (default unigram; bpe for the synthetic corpus, "
                         "whose words it keeps whole)")
+    g.add_argument("--subword-alpha", type=float, default=0.0,
+                   help="subword regularization: each epoch, each training sentence gets one of "
+                        "its --subword-nbest segmentations x with probability ~ P(x)^alpha "
+                        "(unigram models; 0 = off, always the best one; e.g. 0.5)")
+    g.add_argument("--subword-nbest", type=int, default=16,
+                   help="segmentations per sentence to sample from (with --subword-alpha)")
     g.add_argument("--max-tokens", type=int, default=4096,
                    help="padded source (and target) tokens per batch")
     g.add_argument("--max-len", type=int, default=256,
@@ -226,7 +232,8 @@ class Trainer:
 
     # ---- set-up --------------------------------------------------------------------------
     def _check_resume_flags(self, saved):
-        for name in MODEL_FLAGS + ["preset", "vocab_size", "data", "src_lang", "tgt_lang", "seed"]:
+        for name in MODEL_FLAGS + ["preset", "vocab_size", "data", "src_lang", "tgt_lang", "seed",
+                                   "subword_alpha", "subword_nbest"]:
             if name in self.args.explicit:
                 old = saved["train"].get(name, saved["model"].get(name))
                 if old != getattr(self.args, name):
@@ -241,7 +248,7 @@ class Trainer:
 
     def _train_options(self):
         keep = ("preset", "data", "src_lang", "tgt_lang", "train_split", "valid_split",
-                "test_split", "vocab_size", "spm_type", "max_tokens", "max_len", "seed",
+                "test_split", "vocab_size", "spm_type", "subword_alpha", "subword_nbest", "max_tokens", "max_len", "seed",
                 "lr_factor", "lr_schedule", "warmup", "update_freq", "clip_norm", "synthetic_pairs",
                 "adam_betas", "adam_eps")
         return {k: getattr(self.args, k) for k in keep}
@@ -295,8 +302,15 @@ class Trainer:
             self.comm.barrier()
         self.tok = Tokenizer(self.spm_path)
         self.spm_sha = ckpt.file_sha256(self.spm_path)
+        resegment = None
+        if a.subword_alpha > 0:
+            samplers = [SubwordSampler(self.tok, lines, a.subword_alpha, a.subword_nbest)
+                        for lines in (src, tgt)]
+            resegment = lambda rng: (samplers[0](rng), samplers[1](rng))  # noqa: E731
+            self._log_early(f"subword regularization: alpha {a.subword_alpha}, "
+                            f"{a.subword_nbest}-best segmentations")
         self.batches = Batches(self.tok.encode(src), self.tok.encode(tgt), a.max_tokens,
-                               a.max_len, seed=a.seed)
+                               a.max_len, seed=a.seed, resegment=resegment)
         self._log_early(f"train: {stats['pairs']} pairs from {self.files[a.train_split][0]}, "
                         f"{stats['skipped_empty']} empty skipped, {self.batches.dropped} longer "
                         f"than --max-len {a.max_len} dropped, {len(self.batches)} batches/epoch")
