@@ -70,11 +70,31 @@ def test_subword_regularization_resumes_exactly_across_epochs(tmp_path):
     assert any(not np.array_equal(a[k], c[k]) for k in a)
 
 
-def test_subword_regularization_needs_a_unigram_model(tmp_path, capsys):
-    assert run_train("--run-dir", str(tmp_path / "r"), "--max-updates", "2",
-                     "--subword-alpha", "0.5") != 0  # the synthetic corpus defaults to BPE
-    err = capsys.readouterr().err
-    assert "--spm-type unigram" in err and "--subword-alpha" in err
+def test_subword_regularization_needs_a_unigram_model(tmp_path):
+    # the synthetic corpus defaults to BPE: refused before any data work
+    with pytest.raises(SystemExit, match="--spm-type is bpe: add --spm-type unigram"):
+        run_train("--run-dir", str(tmp_path / "r"), "--max-updates", "2", "--subword-alpha", "0.5")
+    assert not os.path.exists(tmp_path / "r" / "spm.model")
+
+
+@pytest.mark.parametrize("alpha", ["-0.5", "nan"])
+def test_subword_alpha_must_be_a_non_negative_number(tmp_path, alpha):
+    with pytest.raises(SystemExit, match="--subword-alpha must be >= 0"):
+        run_train("--run-dir", str(tmp_path / "r"), "--max-updates", "2", "--spm-type",
+                  "unigram", "--subword-alpha", alpha)
+
+
+def test_resuming_an_older_run_accepts_the_default_subword_flags(tmp_path):
+    run = str(tmp_path / "run")
+    assert run_train("--run-dir", run, "--max-updates", "4", "--valid-every", "4") == 0
+    cfg_path = os.path.join(run, "config.json")
+    cfg = json.load(open(cfg_path))
+    del cfg["train"]["subword_alpha"], cfg["train"]["subword_nbest"]  # as written before them
+    json.dump(cfg, open(cfg_path, "w"))
+    assert run_train("--run-dir", run, "--max-updates", "6", "--valid-every", "4", "--resume",
+                     "--subword-alpha", "0") == 0
+    with pytest.raises(SystemExit, match="--subword-alpha 0.5 differs"):
+        run_train("--run-dir", run, "--max-updates", "8", "--resume", "--subword-alpha", "0.5")
 
 
 def test_run_directory_layout_and_periodic_pruning(tmp_path):

@@ -233,7 +233,8 @@ def test_resegmenting_gives_each_epoch_its_own_tokens_and_batches():
             b = collate(batches.pairs(indices, epoch), PAD, BOS, EOS)
             if len(indices) > 1:
                 assert b["src"].size <= 90 and b["tgt_in"].size <= 90
-    assert drawn[0] != drawn[1] != drawn[2]
+    sources = [sorted(map(str, (s for s, _ in pairs))) for pairs in drawn]
+    assert sources[0] != sources[1] != sources[2]  # other tokens, not just another order
     assert len(calls) <= 4  # one segmentation per epoch, not one per batch
 
 
@@ -254,6 +255,18 @@ def test_resegmented_batches_resume_exactly(steps):
     resumed = make()
     resumed.load_state_dict(dict(first.state_dict()))
     assert [next(resumed) for _ in range(3 * n)] == expected
+
+
+def test_a_resegmented_position_is_checked_against_its_own_epoch():
+    src, tgt = random_pairs(300, seed=10)
+    batches = Batches(src, tgt, max_tokens=60, seed=4, resegment=toy_resegment(src, tgt)[0])
+    counts = {e: len(batches.epoch_batches(e)) for e in range(6)}
+    small = min(counts, key=counts.get)
+    assert counts[small] < max(counts.values())  # lengths and batch counts vary by epoch
+    batches.load_state_dict({"epoch": small, "index": counts[small] - 1})
+    assert len(batches) == counts[small]
+    with pytest.raises(DataError, match=f"epoch {small}"):
+        batches.load_state_dict({"epoch": small, "index": counts[small]})
 
 
 def test_load_state_dict_rejects_a_position_that_does_not_fit():

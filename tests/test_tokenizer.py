@@ -156,8 +156,9 @@ def test_a_large_alpha_gives_the_best_segmentation(tok, corpus):
 def test_subword_sampling_errors(tok, corpus, tmp_path):
     with pytest.raises(DataError, match="--subword-alpha"):
         SubwordSampler(tok, ["a"], alpha=-1)
-    with pytest.raises(DataError, match="--subword-nbest"):
-        SubwordSampler(tok, ["a"], alpha=0.5, nbest=1)
+    for nbest in (1, 513):
+        with pytest.raises(DataError, match="--subword-nbest must be between 2 and 512"):
+            SubwordSampler(tok, ["a"], alpha=0.5, nbest=nbest)
     bpe = Tokenizer(train_sentencepiece(list(corpus["train"]), tmp_path / "bpe", 150,
                                         model_type="bpe"))
     with pytest.raises(DataError, match=r"bpe.model.*--spm-type unigram"):

@@ -199,12 +199,14 @@ class SubwordSampler:
     def __init__(self, tokenizer, lines, alpha, nbest=16):
         if alpha < 0:
             raise DataError(f"--subword-alpha must be >= 0, got {alpha}")
-        if nbest < 2:
-            raise DataError(f"--subword-nbest must be at least 2, got {nbest}")
+        if not 2 <= nbest <= 512:  # sentencepiece's n-best search stops at 512
+            raise DataError(f"--subword-nbest must be between 2 and 512, got {nbest}")
         sp = tokenizer.sp
         try:
             cands = sp.nbest_encode(list(lines), nbest_size=int(nbest), out_type=int)
-        except RuntimeError:
+        except RuntimeError as exc:
+            if "NBestEncode is not available" not in str(exc):
+                raise
             raise DataError(f"{tokenizer.model_path}: subword sampling needs a unigram model "
                             "(--spm-type unigram); set --subword-alpha 0 or train a new run "
                             "with a unigram model") from None

@@ -214,6 +214,13 @@ class Trainer:
         if args.lr_schedule == "linear" and not args.max_updates > args.warmup:
             raise SystemExit("error: --lr-schedule linear decays to 0 at --max-updates; "
                              f"give --max-updates N with N > --warmup ({args.warmup})")
+        if not args.subword_alpha >= 0:  # NaN too
+            raise SystemExit(f"error: --subword-alpha must be >= 0 (0 = off), got "
+                             f"{args.subword_alpha}")
+        if args.subword_alpha > 0 and args.spm_type != "unigram":
+            raise SystemExit(f"error: --subword-alpha samples segmentations of a unigram model; "
+                             f"this run's --spm-type is {args.spm_type}: add --spm-type unigram "
+                             "(in a new --run-dir) or drop --subword-alpha")
         self._prepare_data()
         self.cfg = self._model_config()
         if self.main and not args.resume:
@@ -235,7 +242,9 @@ class Trainer:
         for name in MODEL_FLAGS + ["preset", "vocab_size", "data", "src_lang", "tgt_lang", "seed",
                                    "subword_alpha", "subword_nbest"]:
             if name in self.args.explicit:
-                old = saved["train"].get(name, saved["model"].get(name))
+                # a run saved before the option existed ran with its default
+                old = saved["train"].get(name, saved["model"].get(
+                    name, build_parser().get_default(name)))
                 if old != getattr(self.args, name):
                     raise SystemExit(f"error: --{name.replace('_', '-')} "
                                      f"{getattr(self.args, name)!r} differs from the run being "
@@ -248,8 +257,8 @@ class Trainer:
 
     def _train_options(self):
         keep = ("preset", "data", "src_lang", "tgt_lang", "train_split", "valid_split",
-                "test_split", "vocab_size", "spm_type", "subword_alpha", "subword_nbest", "max_tokens", "max_len", "seed",
-                "lr_factor", "lr_schedule", "warmup", "update_freq", "clip_norm", "synthetic_pairs",
+                "test_split", "vocab_size", "spm_type", "subword_alpha", "subword_nbest",
+                "max_tokens", "max_len", "seed", "lr_factor", "lr_schedule", "warmup", "update_freq", "clip_norm", "synthetic_pairs",
                 "adam_betas", "adam_eps")
         return {k: getattr(self.args, k) for k in keep}
 
