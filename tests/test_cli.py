@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from minitransformer.mt import checkpoint as ckpt
+from minitransformer.mt import options
 from minitransformer.mt import train as train_cli
 from minitransformer.mt import translate as translate_cli
 
@@ -198,11 +199,11 @@ def test_bad_data_gives_a_clear_error(tmp_path, capsys, case):
 def test_config_file_and_flag_precedence(tmp_path):
     conf = tmp_path / "c.toml"
     conf.write_text('d-model = 48\nn_heads = 4\nwarmup = 77\n')
-    args = train_cli.parse_args(["--config", str(conf), "--warmup", "12"])
+    args = options.parse_args(["--config", str(conf), "--warmup", "12"])
     assert args.d_model == 48 and args.n_heads == 4 and args.warmup == 12
     (tmp_path / "c.json").write_text(json.dumps({"no_such_option": 1}))
     with pytest.raises(SystemExit, match="no_such_option"):
-        train_cli.parse_args(["--config", str(tmp_path / "c.json")])
+        options.parse_args(["--config", str(tmp_path / "c.json")])
 
 
 @pytest.mark.parametrize("recipe", sorted(os.listdir(os.path.join(ROOT, "recipes"))))
@@ -210,9 +211,9 @@ def test_shipped_recipes_use_only_known_options(recipe):
     # parse_args rejects unknown keys, so a misspelt option in a recipe fails here, not an
     # hour into a user's run
     path = os.path.join(ROOT, "recipes", recipe)
-    args = train_cli.parse_args(["--config", path, "--data", "DATA"])
-    options = train_cli.load_config_file(path)
-    assert options and all(getattr(args, k) == v for k, v in options.items()), options
+    args = options.parse_args(["--config", path, "--data", "DATA"])
+    given = options.load_config_file(path)
+    assert given and all(getattr(args, k) == v for k, v in given.items()), given
     if args.lr_schedule == "linear":
         assert args.max_updates, f"{recipe}: the linear schedule needs max-updates"
 
