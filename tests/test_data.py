@@ -143,17 +143,17 @@ def test_all_pairs_too_long_is_an_error():
 
 
 def test_batches_are_length_buckets():
+    """Sorted by target length (the costlier side), then source length."""
     src, tgt = random_pairs(400, seed=4)
     batches = Batches(src, tgt, max_tokens=200, shuffle=False)
-    src_lens = [[len(src[i]) for i in b] for b in batches.epoch_batches(0)]
-    flat = [n for b in src_lens for n in b]
+    flat = [(len(tgt[i]), len(src[i])) for b in batches.epoch_batches(0) for i in b]
     assert flat == sorted(flat)
-    # with shuffling, each batch still holds one length bucket
+    # with shuffling, each batch still holds one target-length bucket
     shuffled = Batches(src, tgt, max_tokens=200, seed=0)
-    spans = [max(len(src[i]) for i in b) - min(len(src[i]) for i in b)
+    spans = [max(len(tgt[i]) for i in b) - min(len(tgt[i]) for i in b)
              for b in shuffled.epoch_batches(0)]
     assert max(spans) <= 2
-    firsts = [len(src[b[0]]) for b in shuffled.epoch_batches(0)]
+    firsts = [len(tgt[b[0]]) for b in shuffled.epoch_batches(0)]
     assert firsts != sorted(firsts)  # the order of the batches is shuffled
 
 

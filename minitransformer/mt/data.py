@@ -83,8 +83,11 @@ class Batches:
     <= ``max_tokens``, except that a single pair over the budget forms a batch of its own.
     Pairs with S or T above ``max_len`` are dropped; ``self.dropped`` counts them.
 
-    Each epoch sorts the pairs by (source length, target length), breaking ties at random, cuts
-    the sorted list into batches and shuffles the order of the batches; the randomness comes
+    Each epoch sorts the pairs by (target length, source length), breaking ties at random, cuts
+    the sorted list into batches and shuffles the order of the batches. Target length first:
+    the decoder and the output layer, about two thirds of a step's work, run on the target
+    side, so that is the side to keep free of padding (on Multi30k: 0.4% target and 12%
+    source padding, against 10% and 0.3% the other way round, 3% less work a step); the randomness comes
     from a generator seeded with (seed, epoch), so an epoch's batches are a function of the
     seed and the epoch number. With shuffle=False ties keep input order and batches come
     shortest first.
@@ -133,9 +136,9 @@ class Batches:
             raise DataError(f"all {len(src_ids)} pairs are longer than --max-len {self.max_len} "
                             "tokens (EOS included); raise --max-len")
         src_len, tgt_len = src_len[kept], tgt_len[kept]
-        # The batch boundaries depend only on the sequence of (S, T) lengths in sorted order,
+        # The batch boundaries depend only on the sequence of (T, S) lengths in sorted order,
         # which is the same whatever order the ties take, so they are cut once per tokenization.
-        order = np.lexsort((tgt_len, src_len))
+        order = np.lexsort((src_len, tgt_len))
         bounds = self._cut(src_len[order].tolist(), tgt_len[order].tolist())
         return _Layout(src_ids, tgt_ids, kept, src_len, tgt_len, bounds,
                        len(src_ids) - len(kept))
@@ -178,7 +181,7 @@ class Batches:
             ties = rng.random(len(lay.kept))
         else:
             ties = np.arange(len(lay.kept))
-        order = lay.kept[np.lexsort((ties, lay.tgt_len, lay.src_len))]
+        order = lay.kept[np.lexsort((ties, lay.src_len, lay.tgt_len))]
         batches = [order[a:b].tolist() for a, b in lay.bounds]
         if self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
