@@ -47,6 +47,32 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     assert max(updates) == 24
 
 
+def test_a_bare_resume_keeps_every_option_of_the_run(tmp_path):
+    """`--resume` alone continues with the run's own stopping rule, schedule and checkpoint
+    settings (here given in a config file), not with the defaults."""
+    conf = tmp_path / "recipe.json"
+    conf.write_text(json.dumps({"max-updates": 70, "lr-schedule": "linear", "save-every": 9,
+                                "keep-last": 20, "valid-every": 100}))
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run_train("--config", str(conf), "--run-dir", straight) == 0
+    # stopped after the first epoch (fewer than 30 updates), then resumed with no options
+    assert run_train("--config", str(conf), "--run-dir", split, "--max-epochs", "1") == 0
+    stopped = ckpt.load_checkpoint(os.path.join(split, "checkpoint_last.npz"))[2]["update"]
+    assert 9 < stopped < 70
+    assert train_cli.main(["--run-dir", split, "--resume", "--max-epochs", "0",
+                           "--no-progress"]) == 0
+    a = params_of(os.path.join(straight, "checkpoint_last.npz"))
+    b = params_of(os.path.join(split, "checkpoint_last.npz"))
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k  # same schedule to the same last update
+    periodic = [{n for n in os.listdir(d) if n[11:-4].isdigit()} for d in (straight, split)]
+    assert periodic[0] <= periodic[1]  # every 9 updates (+ the one written at the stop)
+    assert "checkpoint_63.npz" in periodic[0]
+    saved = json.load(open(os.path.join(split, "config.json")))["train"]
+    assert saved["max_updates"] == 70 and saved["save_every"] == 9
+    assert not {"run_dir", "resume", "config", "device"} & set(saved)
+
+
 def test_subword_regularization_resumes_exactly_across_epochs(tmp_path):
     """--subword-alpha: a new segmentation every epoch, still bit-for-bit resumable."""
     opts = ["--synthetic-pairs", "200", "--spm-type", "unigram", "--subword-alpha", "0.3",

@@ -2,8 +2,8 @@
 
 Every flag is an attribute of the ``args`` namespace the Trainer reads (``--d-model`` ->
 ``args.d_model``). A JSON or TOML file given with ``--config`` supplies the same keys; flags
-on the command line win. ``args.explicit`` records which flags the command line itself named,
-so that ``--resume`` can tell a deliberate change from a default.
+on the command line win. ``args.explicit`` records which options the command line or the
+config file named, so that ``--resume`` can tell a deliberate change from a default.
 """
 import argparse
 import dataclasses
@@ -26,6 +26,9 @@ Files are DIR/{train,valid,test}.{src-lang,tgt-lang} (split names set by --train
 MODEL_FLAGS = ["d_model", "n_heads", "d_ff", "n_layers", "dropout", "attention_dropout",
                "relu_dropout", "label_smoothing", "smoothing", "norm", "positions",
                "sinusoid_layout", "max_positions", "share_embeddings"]
+
+# options that describe this process, not the run: never saved in config.json
+PER_PROCESS = {"config", "resume", "run_dir", "device", "no_progress"}
 
 
 def build_parser():
@@ -142,4 +145,11 @@ def parse_args(argv=None):
     args.explicit = {a.dest for a in parser._actions
                      if any(s in (argv if argv is not None else sys.argv[1:])
                             for s in a.option_strings)}
+    if args.config:  # a config file's options are as deliberate as flags
+        args.explicit |= set(options)
     return args
+
+
+def option_names():
+    """The ``args`` attribute of every flag."""
+    return {a.dest for a in build_parser()._actions if a.dest != "help"}

@@ -21,7 +21,7 @@ from ..optim import Adam, clip_grad_norm, linear_decay_lr, noam_lr
 from . import checkpoint as ckpt
 from .data import Batches, DataError, collate, read_parallel
 from .fileio import atomic_write_text
-from .options import MODEL_FLAGS, build_parser, parse_args
+from .options import MODEL_FLAGS, PER_PROCESS, build_parser, option_names, parse_args
 from .tokenizer import SubwordSampler, Tokenizer, train_sentencepiece
 from .translation import corpus_bleu, translate_lines
 
@@ -132,11 +132,11 @@ class Trainer:
                 setattr(self.args, name, value)
 
     def _train_options(self):
-        keep = ("preset", "data", "src_lang", "tgt_lang", "train_split", "valid_split",
-                "test_split", "vocab_size", "spm_type", "subword_alpha", "subword_nbest",
-                "max_tokens", "max_len", "seed", "lr_factor", "lr_schedule", "warmup", "update_freq", "clip_norm", "synthetic_pairs",
-                "adam_betas", "adam_eps")
-        return {k: getattr(self.args, k) for k in keep}
+        """Every option but the model's (saved under "model") and those about this process
+        only; ``--resume`` restores them, so a resumed run keeps its stopping rule, schedule,
+        checkpointing and test settings."""
+        return {k: getattr(self.args, k) for k in sorted(option_names())
+                if k not in MODEL_FLAGS and k not in PER_PROCESS}
 
     def _fill_defaults(self):
         """Options left unset get the defaults of the data source."""
