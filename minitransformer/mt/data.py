@@ -87,10 +87,10 @@ class Batches:
     the sorted list into batches and shuffles the order of the batches. Target length first:
     the decoder and the output layer, about two thirds of a step's work, run on the target
     side, so that is the side to keep free of padding (on Multi30k: 0.4% target and 12%
-    source padding, against 10% and 0.3% the other way round, 3% less work a step); the randomness comes
-    from a generator seeded with (seed, epoch), so an epoch's batches are a function of the
-    seed and the epoch number. With shuffle=False ties keep input order and batches come
-    shortest first.
+    source padding, against 10% and 0.3% the other way round; 3% less work a step). The
+    randomness comes from a generator seeded with (seed, epoch), so an epoch's batches are a
+    function of the seed and the epoch number. With shuffle=False ties keep input order and
+    batches come shortest first.
 
     ``resegment`` (optional) gives every epoch its own tokenization of the same sentences
     (subword regularization, ``tokenizer.SubwordSampler``): a function of a NumPy generator
