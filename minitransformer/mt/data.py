@@ -116,7 +116,7 @@ class Batches:
         self.max_tokens, self.max_len = int(max_tokens), max_len
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self.resegment = resegment
-        self._layouts = {}  # epoch -> _Layout; only one entry when resegmenting
+        self._resegmented = (None, None)  # (epoch, _Layout) of the last epoch resegmented
         self._fixed = self._layout(src_ids, tgt_ids)
         self.src_ids, self.tgt_ids = src_ids, tgt_ids
         self.dropped = self._fixed.dropped
@@ -147,13 +147,13 @@ class Batches:
         if self.resegment is None:
             return self._fixed
         epoch = int(epoch)
-        if epoch not in self._layouts:
+        if self._resegmented[0] != epoch:  # only one epoch's ids are kept
             src_ids, tgt_ids = self.resegment(np.random.default_rng([self.seed, epoch, 1]))
             if len(src_ids) != len(self.src_ids) or len(tgt_ids) != len(self.tgt_ids):
                 raise DataError(f"resegment returned {len(src_ids)} / {len(tgt_ids)} sentences "
                                 f"for a corpus of {len(self.src_ids)} pairs")
-            self._layouts = {epoch: self._layout(src_ids, tgt_ids)}  # keep one epoch's ids
-        return self._layouts[epoch]
+            self._resegmented = (epoch, self._layout(src_ids, tgt_ids))
+        return self._resegmented[1]
 
     def _cut(self, src_len, tgt_len):
         """[(start, end)] slices of the sorted pairs, each batch as large as the budget allows."""

@@ -115,12 +115,12 @@ class Trainer:
 
     # ---- set-up --------------------------------------------------------------------------
     def _check_resume_flags(self, saved):
+        parser = build_parser()
         for name in MODEL_FLAGS + ["preset", "vocab_size", "data", "src_lang", "tgt_lang", "seed",
                                    "subword_alpha", "subword_nbest"]:
             if name in self.args.explicit:
                 # a run saved before the option existed ran with its default
-                old = saved["train"].get(name, saved["model"].get(
-                    name, build_parser().get_default(name)))
+                old = saved["train"].get(name, saved["model"].get(name, parser.get_default(name)))
                 if old != getattr(self.args, name):
                     raise SystemExit(f"error: --{name.replace('_', '-')} "
                                      f"{getattr(self.args, name)!r} differs from the run being "
