@@ -5,6 +5,7 @@ in PyTorch, measured in one run.
     python bench/bench.py --config base-lite     # ~5 minutes with the default 3 + 8 steps
     python bench/bench.py --all                  # both; then bench/RESULTS.md
     python bench/bench.py --config tiny --device cuda    # CuPy against torch on CUDA (eager)
+    python bench/bench.py --all --ranks 2        # also training as 2 ranks x 1 thread each
 
 How it measures (details in bench/RESULTS.md, "Method"):
 * Each framework runs in its own worker process (so ru_maxrss is its own peak); the parent
@@ -16,6 +17,11 @@ How it measures (details in bench/RESULTS.md, "Method"):
 * Training: one step = forward, backward of loss_sum / n_tokens, Adam (0.9, 0.98, 1e-9) with
   the paper's learning rate at that step. Target tokens/s = non-padding target tokens / step
   time; median over the steps after the warm-up ones.
+* ``--ranks N`` adds two training-only workers of N processes with one thread each, bound
+  to one core each: ours under mpiexec with the package's MPI all-reduce, exactly as
+  ``mpiexec -n N python train.py`` trains, and torch with DistributedDataParallel over gloo.
+  Each rank takes its share of the same batches (``common.shard_rows``). They join the
+  step-by-step alternation; their peak memory is the sum over the ranks.
 * Decoding: the initial weights are reloaded; greedy and beam (4, alpha 0.6) search with a
   key/value cache on the same sentences, batched as translate.py does. Maximum length =
   source length + ``--max-len-a`` (default 0): an untrained model rarely emits EOS, so both
@@ -25,8 +31,8 @@ import os
 import sys
 
 if sys.argv[1:3] != ["--worker", "torch"]:
-    # Sets OPENBLAS_CORETYPE before numpy loads OpenBLAS; the torch worker inherits the
-    # environment and never imports minitransformer (its memory is torch's alone).
+    # Sets OPENBLAS_CORETYPE before numpy loads OpenBLAS (the torch worker inherits the
+    # environment; it imports only minitransformer's batching helpers, through common.py).
     import minitransformer  # noqa: F401
 
 import argparse
@@ -36,6 +42,8 @@ import importlib.util
 import io
 import json
 import pstats
+import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -54,8 +62,9 @@ WARMUP_LR_STEPS = 4000  # the paper's warm-up, for noam_lr; both frameworks use 
 class Runner:
     """What both workers share: data, step bookkeeping. Subclasses supply the framework."""
 
-    def __init__(self, args):
+    def __init__(self, args, mpi=None):
         self.args, self.name = args, args.config
+        self.mpi = mpi  # an mpi4py communicator when run as data-parallel ranks (--ranks)
         spec = common.CONFIGS[args.config]
         self.cfg = {**common.model_config(args.config), "max_positions": 1024}
         n_batches = args.warmup + args.steps
@@ -103,6 +112,15 @@ class Runner:
         return dict(bye=True)
 
 
+def rank_memory(mpi):
+    """Peak RSS of this worker; with ranks, their sum (and each rank's), gathered on rank 0."""
+    rss = common.max_rss_mib()
+    if mpi is None:
+        return dict(max_rss_mib=rss)
+    every = mpi.gather(rss, root=0)
+    return dict(max_rss_mib=sum(every), per_rank_mib=every) if mpi.rank == 0 else {}
+
+
 def noam_lr(step, d_model, warmup):
     """The package's schedule (imported in the ours worker, written out in the torch one)."""
     step = max(int(step), 1)
@@ -126,7 +144,14 @@ class OursRunner(Runner):
         cfg = tr.TransformerConfig.from_dict(self.cfg)
         self.model = tr.Transformer(cfg, seed=self.args.seed, device=self.device)
         self.opt = Adam(self.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
-        if self.args.init:  # the torch worker starts from these weights
+        self.comm = None
+        if self.mpi is not None:  # data-parallel ranks, exactly as train.py runs them
+            from minitransformer.mt.distributed import Comm
+            from mpi4py import MPI
+            self.comm = Comm(MPI, self.mpi, device="cpu")
+            self.comm.broadcast_params(self.model.parameters())
+            self.model.rng.seed(self.args.seed * 1000 + self.comm.rank)  # own dropout masks
+        elif self.args.init:  # the torch workers start from these weights
             np.savez(self.args.init, **{k: v for k, v in self.model.state_dict().items()})
 
     def n_params(self):
@@ -141,6 +166,22 @@ class OursRunner(Runner):
 
     def step(self, b, lr):
         self.model.train()
+        if self.comm is not None:  # as mt.train.Trainer.train_update with N ranks
+            b = common.shard_rows(b, self.comm.rank, self.comm.size, self.cfg["pad_id"])
+            loss_sum, n = 0.0, 0
+            if b is not None:  # an empty share sends zero gradients, as in train.py
+                loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
+                loss.backward()  # d(loss_sum); summed over ranks, then divided by all tokens
+                loss_sum = float(loss.data)
+            params = self.model.parameters()
+            loss_sum, n = self.comm.allreduce_grads(params, loss_sum, n)
+            for p in params:
+                if p.grad is not None:
+                    p.grad *= p.dtype.type(1.0 / n)
+            self.opt.lr = lr
+            self.opt.step()
+            self.opt.zero_grad()
+            return loss_sum, n
         loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
         loss.backward(self.xp.asarray(1.0 / n, dtype=loss.dtype))  # d(loss_sum / n)
         self.opt.lr = lr
@@ -158,7 +199,7 @@ class OursRunner(Runner):
         return dict(loss_per_token=float(loss.data) / n, tokens=n)
 
     def memory(self):
-        out = dict(max_rss_mib=common.max_rss_mib())
+        out = rank_memory(self.mpi)
         if self.device == "cuda":
             import cupy
             pool = cupy.get_default_memory_pool()
@@ -253,6 +294,14 @@ class TorchRunner(Runner):
         self.model.load_minitransformer_state(np.load(self.args.init))
         self.model.to(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
+        self.ddp = None
+        if self.mpi is not None:  # the PyTorch way: DistributedDataParallel over gloo
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{self.args.port}",
+                                    rank=self.mpi.rank, world_size=self.mpi.size)
+            torch.manual_seed(self.args.seed * 1000 + self.mpi.rank)  # own dropout masks
+            self.ddp = DistributedDataParallel(ref.LossOf(self.model))
 
     def n_params(self):
         return int(sum(p.numel() for p in self.model.parameters()))
@@ -270,6 +319,27 @@ class TorchRunner(Runner):
 
     def step(self, b, lr):
         self.model.train()
+        if self.ddp is not None:
+            import torch.distributed as dist
+            shard = common.shard_rows(b, self.mpi.rank, self.mpi.size, self.cfg["pad_id"])
+            # DDP needs a forward on every rank: a rank without rows runs one, weighted 0
+            src, tgt_in, tgt_out = self._tensors(shard if shard is not None else
+                                                 {k: a[:1] for k, a in b.items()})
+            mine = 0.0 if shard is None else float((shard["tgt_out"] != self.cfg["pad_id"]).sum())
+            n_all = self.torch.tensor(mine)
+            dist.all_reduce(n_all)  # the global token count, to divide the summed loss by
+            loss, n = self.ddp(src, tgt_in, tgt_out)
+            if shard is None:
+                loss = loss * 0.0
+            # DDP averages gradients over ranks: size * loss_sum / n_all gives sum / n_all
+            (loss * (self.mpi.size / n_all)).backward()
+            loss_all = loss.detach().clone()
+            dist.all_reduce(loss_all)
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            return loss_all.item(), int(n_all.item())
         src, tgt_in, tgt_out = self._tensors(b)
         loss, n = self.model.loss(src, tgt_in, tgt_out)
         (loss / n).backward()
@@ -292,7 +362,7 @@ class TorchRunner(Runner):
         return dict(loss_per_token=float(loss) / n, tokens=n, by_hand_per_token=float(hand) / n)
 
     def memory(self):
-        out = dict(max_rss_mib=common.max_rss_mib())
+        out = rank_memory(self.mpi)
         if self.device.type == "cuda":
             c = self.torch.cuda
             out.update(gpu_reserved_mib=c.max_memory_reserved() / 2 ** 20,
@@ -318,30 +388,64 @@ class TorchRunner(Runner):
         return dict(gflops=common.gemm_gflops(t.matmul, make, n, 5, self.sync), n=n)
 
 
+CMD_TAG = 7
+
+
 def worker_main(args):
+    mpi = None
+    if args.ranks > 1:  # started by mpiexec: rank 0 talks to the parent, the others follow
+        from mpi4py import MPI
+        mpi = MPI.COMM_WORLD
+    lead = mpi is None or mpi.rank == 0
     proto = os.fdopen(os.dup(1), "w")  # the protocol channel; stray prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    runner = (OursRunner if args.worker == "ours" else TorchRunner)(args)
-    for line in sys.stdin:
-        cmd = json.loads(line)
+    runner = (OursRunner if args.worker == "ours" else TorchRunner)(args, mpi)
+    while True:
+        if lead:
+            line = sys.stdin.readline()
+            cmd = json.loads(line) if line else dict(op="quit")
+            for r in range(1, mpi.size if mpi else 1):
+                mpi.send(cmd, dest=r, tag=CMD_TAG)
+        else:
+            # Sleep between polls: a blocking receive would spin a core at 100% while the
+            # other workers are being timed.
+            while not mpi.Iprobe(source=0, tag=CMD_TAG):
+                time.sleep(0.001)
+            cmd = mpi.recv(source=0, tag=CMD_TAG)
         try:
             result = getattr(runner, cmd["op"])(**cmd.get("kw", {}))
         except Exception:
+            if mpi is not None:  # the other ranks may be waiting in a collective: stop all
+                traceback.print_exc()
+                sys.stderr.flush()
+                mpi.Abort(1)
             result = dict(error=traceback.format_exc())
-        proto.write(json.dumps(result) + "\n")
-        proto.flush()
+        if lead:
+            proto.write(json.dumps(result) + "\n")
+            proto.flush()
         if cmd["op"] == "quit":
             break
 
 
 # ==== the parent ===============================================================================
 class Worker:
-    def __init__(self, fw, argv):
-        self.fw = fw
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", fw,
-                                      *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
+    """A worker process driven over its stdin/stdout, one JSON line per command and reply.
+    With ranks > 1: ``ranks`` processes under mpiexec, one BLAS/torch thread each, bound to
+    one core each (the set-up the Multi30k recipe trains with)."""
+
+    def __init__(self, fw, argv, ranks=1, label=None):
+        self.fw = label or fw
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", fw, *argv]
+        env = None
+        if ranks > 1:
+            cmd = [find_mpiexec(), "-n", str(ranks), "--bind-to", "core", *cmd,
+                   "--ranks", str(ranks), "--threads", "1", "--port", str(free_port())]
+            env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+            if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root otherwise
+                env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1, env=env)
 
     def __call__(self, op, **kw):
         self.proc.stdin.write(json.dumps(dict(op=op, kw=kw)) + "\n")
@@ -365,6 +469,23 @@ class Worker:
             self.proc.wait(timeout=60)
 
 
+def find_mpiexec():
+    """Open MPI's mpiexec: beside this Python (a venv's bin/, where `pip install -e .[mpi]`
+    puts it), else on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
+    if found is None or importlib.util.find_spec("mpi4py") is None:
+        sys.exit("--ranks needs mpi4py and mpiexec: pip install -e \".[mpi]\"")
+    return found
+
+
+def free_port():
+    """A TCP port on loopback that is free now (for torch.distributed's gloo rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def agreement(a, b):
     same = sum(x == y for x, y in zip(a, b))
     return dict(identical=same, of=len(a))
@@ -376,6 +497,7 @@ def run_config(name, args, machine, peak):
     warmup = args.warmup if args.warmup is not None else spec["warmup"]
     n_dec = args.decode_sentences or spec["decode_sentences"]
     frameworks = ["ours"] + (["torch"] if args.torch else [])
+    ranked = [fw + "_ranks" for fw in frameworks] if args.ranks > 1 else []  # training only
     tmp = tempfile.mkdtemp(prefix="minitransformer-bench-")
     init = os.path.join(tmp, "init.npz")
     argv = ["--config", name, "--device", args.device, "--seed", str(args.seed),
@@ -394,7 +516,7 @@ def run_config(name, args, machine, peak):
                                         decode_max_tokens=args.decode_max_tokens,
                                         beam=args.beam, alpha=0.6, max_len_a=args.max_len_a,
                                         threads=args.threads, seed=args.seed,
-                                        max_tokens=spec["max_tokens"]))
+                                        max_tokens=spec["max_tokens"], ranks=args.ranks))
     workers = {}
     try:
         workers["ours"] = Worker("ours", argv)
@@ -406,9 +528,17 @@ def run_config(name, args, machine, peak):
                 if setup["ours"][key] != setup["torch"][key]:
                     raise RuntimeError(f"the workers disagree on {key}: {setup['ours'][key]} "
                                        f"vs {setup['torch'][key]}")
+        for fw in ranked:
+            workers[fw] = Worker(fw[:-len("_ranks")], argv, ranks=args.ranks, label=fw)
+            setup[fw] = workers[fw]("setup")
+            for key in ("batches", "n_params"):
+                if setup[fw][key] != setup["ours"][key]:
+                    raise RuntimeError(f"the {fw} worker disagrees on {key}")
         res["setup"] = setup
         print(f"   {setup['ours']['n_params']:,} parameters; batches {setup['ours']['batches']} "
-              f"identical in both workers", flush=True)
+              f"identical in all {len(setup)} workers"
+              + (f" ({', '.join(ranked)}: {args.ranks} processes x 1 thread)" if ranked else ""),
+              flush=True)
 
         res["initial_loss"] = {fw: workers[fw]("eval_loss") for fw in frameworks}
         if args.torch:
@@ -419,9 +549,10 @@ def run_config(name, args, machine, peak):
                   f"{res['initial_loss']['torch']['by_hand_per_token']:.6f})", flush=True)
 
         # ---- training, alternating who goes first ----
-        train = {fw: [] for fw in frameworks}
+        trainers = frameworks + ranked
+        train = {fw: [] for fw in trainers}
         for i in range(warmup + steps):
-            order = frameworks if i % 2 == 0 else frameworks[::-1]
+            order = trainers if i % 2 == 0 else trainers[::-1]
             for fw in order:
                 train[fw].append(workers[fw]("train_step", i=i))
             r = train["ours"][-1]
@@ -429,13 +560,15 @@ def run_config(name, args, machine, peak):
                   f"B={r['B']} S={r['S']} T={r['T']} | " + "  ".join(
                       f"{fw} {train[fw][-1]['seconds']:.3f} s "
                       f"({train[fw][-1]['tokens'] / train[fw][-1]['seconds']:,.0f} tok/s, "
-                      f"loss {train[fw][-1]['loss_per_token']:.3f})" for fw in frameworks)
+                      f"loss {train[fw][-1]['loss_per_token']:.3f})" for fw in trainers)
             print(msg, flush=True)
-        res["train"] = {fw: summarize_train(train[fw], warmup, cfg, peak) for fw in frameworks}
+        res["train"] = {fw: summarize_train(train[fw], warmup, cfg, peak) for fw in trainers}
         res["train_steps"] = train
-        res["memory"] = {fw: workers[fw]("memory") for fw in frameworks}
-        for fw in frameworks:
+        res["memory"] = {fw: workers[fw]("memory") for fw in trainers}
+        for fw in trainers:
             res["memory"][fw]["rss_setup_mib"] = setup[fw]["rss_setup_mib"]
+        for fw in ranked:  # done: decoding is measured in one process
+            workers.pop(fw).close()
 
         if args.profile and name in args.profile:
             print("   profiling 3 training steps of ours with cProfile ...", flush=True)
@@ -519,6 +652,13 @@ def ratios(res):
                memory=mem["ours"]["max_rss_mib"] / mem["torch"]["max_rss_mib"],
                memory_above_setup=(mem["ours"]["max_rss_mib"] - mem["ours"]["rss_setup_mib"])
                / (mem["torch"]["max_rss_mib"] - mem["torch"]["rss_setup_mib"]))
+    if "ours_ranks" in res["train"] and "torch_ranks" in res["train"]:
+        tps = {fw: t["tokens_per_s"] for fw, t in res["train"].items()}
+        out.update(train_ranks=tps["ours_ranks"] / tps["torch_ranks"],
+                   train_best=max(tps["ours"], tps["ours_ranks"])
+                   / max(tps["torch"], tps["torch_ranks"]),
+                   memory_ranks=mem["ours_ranks"]["max_rss_mib"]
+                   / mem["torch_ranks"]["max_rss_mib"])
     if "gpu_reserved_mib" in mem["ours"]:
         out["gpu_memory"] = mem["ours"]["gpu_reserved_mib"] / mem["torch"]["gpu_reserved_mib"]
     return out
@@ -531,6 +671,12 @@ def print_summary(res):
     print("   training target tok/s: " + ", ".join(f"{fw} {tr[fw]['tokens_per_s']:,.0f}"
                                                   for fw in fws)
           + (f"  -> ours/torch {r['train']:.2f}x (target >= 1.5x)" if r else ""))
+    if r and "train_ranks" in r:
+        n = res["settings"]["ranks"]
+        print(f"   training with {n} ranks x 1 thread: ours/torch {r['train_ranks']:.2f}x; "
+              f"best set-up of each: {r['train_best']:.2f}x (target >= 1.5x); peak RSS of "
+              f"the ranks summed: ours/torch {r['memory_ranks']:.2f}x")
+    fws = [fw for fw in fws if not fw.endswith("_ranks")]
     print("   MFU (vs {:.0f} GFLOP/s, {}): ".format(res["peak"]["gflops"], res["peak"]["how"])
           + ", ".join(f"{fw} {100 * tr[fw]['mfu']:.1f}%" for fw in fws))
     for kind in ("greedy", "beam"):
@@ -581,6 +727,10 @@ def parse_args(argv=None):
                    help="threads for numpy's OpenBLAS and for torch (default: what OpenBLAS "
                         "uses, normally one per core)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks", type=int, default=1,
+                   help="also time training as N data-parallel processes with one thread each "
+                        "(ours: mpiexec -n N, as train.py runs; torch: DistributedDataParallel "
+                        "over gloo); needs pip install -e .[mpi]. Decoding stays one process")
     p.add_argument("--no-torch", dest="torch", action="store_false",
                    help="measure minitransformer only")
     p.add_argument("--profile", nargs="*", default=["tiny"], metavar="CONFIG",
@@ -591,6 +741,7 @@ def parse_args(argv=None):
     # internal: run as a worker process
     p.add_argument("--worker", choices=["ours", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--init", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

@@ -1,8 +1,9 @@
 """Shared pieces of the benchmark: configs, synthetic batches, FLOP counts, machine facts.
 
-Imported by both benchmark workers (ours and PyTorch), so nothing here imports
-minitransformer or torch at module level: each worker imports only its own framework, and its
-peak memory (ru_maxrss) is its own.
+Imported by both benchmark workers (ours and PyTorch). Nothing here imports torch; the
+batching helpers come from minitransformer.mt (a few MiB of modules), so the torch worker
+also runs under the package's start-up settings (minitransformer/_malloc.py keeps freed
+blocks in glibc's heap, which spares torch's CPU allocator page faults too).
 
 Shape letters as in the package: B batch, S source length, T target length, D d_model,
 H heads, F d_ff, V vocabulary, N layers (encoder and decoder each).
@@ -17,6 +18,7 @@ import time
 
 import numpy as np
 
+from minitransformer.mt.data import split_batch
 from minitransformer.mt.translation import pad_batch as pad  # (B, L) int64, padded
 
 # The two benchmark models. Both use the paper's recipe: post-norm, shared embeddings scaled by
@@ -106,6 +108,23 @@ def decode_batches(n_sentences, V, seed, max_tokens=4096, pad_id=0, eos_id=3):
             longest, end = nxt, end + 1
         out.append(pad([s + [eos_id] for s in srcs[start:end]], pad_id))
         start = end
+    return out
+
+
+def shard_rows(batch, rank, size, pad_id=0):
+    """Rank ``rank``'s share of a padded batch for ``size`` data-parallel ranks, as train.py
+    takes it: the rows split by ``mt.data.split_batch`` (about equal target tokens), each
+    array then cut to its own longest row. -> dict like ``batch``, or None for a rank left
+    without rows (a batch of fewer rows than ranks)."""
+    n_tgt = (batch["tgt_out"] != pad_id).sum(axis=1)
+    pairs = [(i, range(int(n) - 1)) for i, n in enumerate(n_tgt)]  # costs len(tgt) + 1 = n
+    rows = [i for i, _ in split_batch(pairs, size)[rank]]
+    if not rows:
+        return None
+    out = {}
+    for key, a in batch.items():
+        a = a[rows]
+        out[key] = np.ascontiguousarray(a[:, :int((a != pad_id).sum(axis=1).max())])
     return out
 
 

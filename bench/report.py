@@ -60,6 +60,19 @@ def summary(runs):
         lines.append(f"| {c} | {d} | MFU (training) | {100 * tr['ours']['mfu']:.1f}% | "
                      f"{_fmt(t(tr, 'mfu') and 100 * t(tr, 'mfu'), '.1f')}"
                      f"{'%' if has_t else ''} | | |")
+        if "ours_ranks" in tr:
+            n = r["settings"]["ranks"]
+            a = tr["ours_ranks"]["tokens_per_s"]
+            b = tr["torch_ranks"]["tokens_per_s"] if "torch_ranks" in tr else None
+            lines.append(f"| {c} | {n} ranks x 1 thread | training, target tokens/s (median; "
+                         f"ours: mpiexec as train.py, torch: DDP over gloo) | {_fmt(a)} | "
+                         f"{_fmt(b)} | {_x(q.get('train_ranks'))} | |")
+            if "train_best" in q:
+                lines.append(f"| {c} | best set-up of each | training, target tokens/s | "
+                             f"{_fmt(max(tr['ours']['tokens_per_s'], a))} | "
+                             f"{_fmt(max(tr['torch']['tokens_per_s'], b))} | "
+                             f"{_x(q['train_best'])} | >= 1.5x: "
+                             f"{_met('train', q['train_best'])} |")
         for kind, label in (("greedy", "greedy"), ("beam", f"beam {r['settings']['beam']}")):
             a, b = dec["ours"][kind]["sentences_per_s"], t(dec, kind, "sentences_per_s")
             n = dec["ours"][kind]["reps"]
@@ -145,6 +158,15 @@ def machine(runs):
     return "\n".join(lines)
 
 
+def _memory_str(fw, m):
+    ranks = m.get("per_rank_mib")
+    if ranks:  # a worker of several processes
+        return (f"{fw} peak {m['max_rss_mib']:.0f} MiB (ranks summed: "
+                f"{' + '.join(f'{x:.0f}' for x in ranks)}), setup {m['rss_setup_mib']:.0f} MiB "
+                f"(rank 0)")
+    return f"{fw} peak {m['max_rss_mib']:.0f} MiB, setup {m['rss_setup_mib']:.0f} MiB"
+
+
 def details(r):
     s, cfg = r["settings"], r["model"]
     out = [f"### {r['config']} ({_where(r)})", "",
@@ -162,14 +184,15 @@ def details(r):
                 f"{il['torch']['by_hand_per_token']:.6f}).", ""]
     fws = list(r["train"])
     steps = r["train_steps"]
+    vs = "torch" in fws
     out += ["| step | B x S / B x T | target tokens | " + " | ".join(f"{fw} s" for fw in fws)
-            + (" | torch s / ours s |" if len(fws) > 1 else " |"),
-            "|---:|---|---:|" + "---:|" * len(fws) + ("---:|" if len(fws) > 1 else "")]
+            + (" | torch s / ours s |" if vs else " |"),
+            "|---:|---|---:|" + "---:|" * len(fws) + ("---:|" if vs else "")]
     for i, a in enumerate(steps["ours"]):
         tag = " (warm-up)" if i < s["warmup"] else ""
         row = f"| {i + 1}{tag} | {a['B']} x {a['S']} / {a['B']} x {a['T']} | {a['tokens']} | " \
               + " | ".join(f"{steps[fw][i]['seconds']:.3f}" for fw in fws)
-        if len(fws) > 1:
+        if vs:
             row += f" | {steps['torch'][i]['seconds'] / a['seconds']:.2f}"
         out.append(row + " |")
     tr = r["train"]["ours"]
@@ -182,10 +205,10 @@ def details(r):
     mem = r["memory"]
     out.append("Memory (ru_maxrss of each worker process after the training steps; 'setup' = "
                "after imports and building the batches, before the model): "
-               + "; ".join(f"{fw} peak {mem[fw]['max_rss_mib']:.0f} MiB, setup "
-                           f"{mem[fw]['rss_setup_mib']:.0f} MiB" for fw in fws) + ".")
+               + "; ".join(_memory_str(fw, mem[fw]) for fw in fws) + ".")
     out.append("")
     d = r["decode"]
+    fws = list(d)  # decoding runs in one process per framework
     out.append(f"Decoding {d['ours']['greedy']['sentences']} sentences (source 10-30 tokens + "
                f"EOS, batches of at most {s['decode_max_tokens']} padded source tokens, maximum "
                f"output length = source length + {s['max_len_a']}), median of "

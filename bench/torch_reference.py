@@ -211,6 +211,18 @@ class Transformer(nn.Module):
             own[name].copy_(a)
 
 
+class LossOf(nn.Module):
+    """The model with ``loss`` as its forward, for DistributedDataParallel (which hooks only
+    ``forward``): (src, tgt_in, tgt_out) -> (summed loss, target tokens)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, src, tgt_in, tgt_out):
+        return self.model.loss(src, tgt_in, tgt_out)
+
+
 # ---- decoding --------------------------------------------------------------------------------
 def _forbid(scores, c):
     scores[..., c["pad_id"]] = -math.inf

@@ -1,0 +1,80 @@
+"""The benchmark harness (bench/): how it splits a batch over ranks, and a short run of it.
+
+Timings are never asserted here (bench/RESULTS.md holds them); these tests check that the
+harness still runs and measures the model it claims to.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import common  # noqa: E402  (bench/common.py)
+
+
+def _rows(a, pad_id=0):
+    return [tuple(int(x) for x in row if x != pad_id) for row in a]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_shard_rows_covers_the_batch_once_balanced_and_trimmed(size):
+    for batch in common.training_batches(4, 8000, 2000, seed=3):
+        shards = [common.shard_rows(batch, r, size) for r in range(size)]
+        if batch["src"].shape[0] < size:  # fewer rows than ranks: some ranks get none
+            assert sum(s is None for s in shards) == size - batch["src"].shape[0]
+            shards = [s for s in shards if s is not None]
+        else:
+            assert all(s is not None for s in shards)
+        for key in ("src", "tgt_in", "tgt_out"):
+            got = sorted(row for s in shards for row in _rows(s[key]))
+            assert got == sorted(_rows(batch[key])), key  # every row exactly once
+            for s in shards:  # padding cut to the shard's own longest row
+                assert (s[key][:, -1] != 0).any() and s[key].flags.c_contiguous
+        for s in shards:  # a row's source, input and output stay together
+            assert s["tgt_in"].shape == s["tgt_out"].shape
+            assert s["src"].shape[0] == s["tgt_in"].shape[0]
+            words = s["tgt_in"][:, 1:] != 0  # tgt_in = BOS + y, tgt_out = y + EOS
+            assert np.array_equal(s["tgt_in"][:, 1:][words], s["tgt_out"][:, :-1][words])
+        tokens = [int((s["tgt_out"] != 0).sum()) for s in shards]
+        assert sum(tokens) == int((batch["tgt_out"] != 0).sum())
+        longest = int((batch["tgt_out"] != 0).sum(axis=1).max())
+        assert max(tokens) - min(tokens) <= longest  # greedy balance: within one row
+
+
+def _mpiexec():
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+
+
+@pytest.mark.skipif(_mpiexec() is None, reason="needs mpi4py and mpiexec: pip install -e .[mpi]")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binds 2 ranks to 2 cores")
+def test_bench_runs_one_process_and_two_ranks(tmp_path):
+    """bench.py --ranks 2 (without torch): both set-ups train the same model on the same
+    batches, and the report gets a row for each."""
+    report = tmp_path / "RESULTS.md"
+    env = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--config", "tiny",
+           "--no-torch", "--ranks", "2", "--steps", "2", "--warmup", "1",
+           "--decode-sentences", "4", "--decode-reps", "1", "--profile", "--threads", "1",
+           "--results", str(report)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads((tmp_path / "results" / "run-tiny-cpu-t1.json").read_text())
+    assert set(res["train"]) == {"ours", "ours_ranks"} and res["settings"]["ranks"] == 2
+    assert set(res["decode"]) == {"ours"}  # decoding is measured in one process
+    one, two = res["train_steps"]["ours"], res["train_steps"]["ours_ranks"]
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):  # same batches; loss of the same model (dropout differs)
+        assert a["tokens"] == b["tokens"] and (a["B"], a["S"], a["T"]) == (b["B"], b["S"], b["T"])
+        assert abs(a["loss_per_token"] - b["loss_per_token"]) < 0.1
+    assert len(res["memory"]["ours_ranks"]["per_rank_mib"]) == 2
+    text = report.read_text()
+    assert "2 ranks x 1 thread" in text and "ranks summed" in text
