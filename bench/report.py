@@ -304,6 +304,16 @@ METHOD = """## Method
   them step by step (ours, torch, then torch, ours, ...), medians over the timed steps. torch gets
   as many threads as numpy's OpenBLAS uses. On a GPU the timers are bracketed by
   `cupy.cuda.Device().synchronize()` / `torch.cuda.synchronize()`.
+* **Data-parallel ranks** (`--ranks N`, where shown). On a CPU a NumPy process keeps its
+  elementwise work on one core, so `train.py` can instead run as N processes with one BLAS
+  thread each (`OPENBLAS_NUM_THREADS=1 mpiexec -n N --bind-to core python train.py ...`).
+  The benchmark times that set-up too: ours under mpiexec with the package's all-reduce of
+  one flat gradient buffer, torch as `DistributedDataParallel` over gloo, one intra-op
+  thread per rank, both bound to one core per rank. Every rank takes its share of each batch
+  (rows split for equal target tokens, padding cut to the share's longest row); the step is
+  timed on rank 0 and includes the all-reduce. "Best set-up of each" compares the faster of
+  one process and N ranks for each framework; that is the ratio held against the 1.5x
+  target. Memory of a ranked worker is the sum of its ranks' peaks.
 * **Peak memory.** `resource.getrusage(RUSAGE_SELF).ru_maxrss` of each worker after the
   training steps (before decoding and before the GEMM measurement); it includes the framework's
   own libraries (torch's are large), so the increase over the after-imports-and-data value is
