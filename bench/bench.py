@@ -758,6 +758,8 @@ def main(argv=None):
     if args.device == "cuda":
         from minitransformer.backend import get_xp
         get_xp("cuda")  # a clear error now if CuPy or the GPU is missing
+    if args.ranks > 1:
+        find_mpiexec()  # a clear error now if mpi4py or mpiexec is missing
     if args.threads:
         common.set_blas_threads(args.threads)  # numpy here and in the ours worker
     args.threads = args.threads or common.blas_threads()
