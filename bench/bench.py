@@ -471,12 +471,11 @@ class Worker:
 
 def find_mpiexec():
     """Open MPI's mpiexec: beside this Python (a venv's bin/, where `pip install -e .[mpi]`
-    puts it), else on PATH."""
+    puts it), else on PATH; None without it or without mpi4py."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
-    if found is None or importlib.util.find_spec("mpi4py") is None:
-        sys.exit("--ranks needs mpi4py and mpiexec: pip install -e \".[mpi]\"")
-    return found
+    return here if os.access(here, os.X_OK) else shutil.which("mpiexec")
 
 
 def free_port():
@@ -758,8 +757,8 @@ def main(argv=None):
     if args.device == "cuda":
         from minitransformer.backend import get_xp
         get_xp("cuda")  # a clear error now if CuPy or the GPU is missing
-    if args.ranks > 1:
-        find_mpiexec()  # a clear error now if mpi4py or mpiexec is missing
+    if args.ranks > 1 and find_mpiexec() is None:
+        sys.exit("--ranks needs mpi4py and mpiexec: pip install -e \".[mpi]\"")
     if args.threads:
         common.set_blas_threads(args.threads)  # numpy here and in the ours worker
     args.threads = args.threads or common.blas_threads()

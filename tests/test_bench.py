@@ -3,10 +3,8 @@
 Timings are never asserted here (bench/RESULTS.md holds them); these tests check that the
 harness still runs and measures the model it claims to.
 """
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -15,6 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import bench  # noqa: E402  (bench/bench.py)
 import common  # noqa: E402  (bench/common.py)
 
 
@@ -47,14 +46,8 @@ def test_shard_rows_covers_the_batch_once_balanced_and_trimmed(size):
         assert max(tokens) - min(tokens) <= longest  # greedy balance: within one row
 
 
-def _mpiexec():
-    if importlib.util.find_spec("mpi4py") is None:
-        return None
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
-
-
-@pytest.mark.skipif(_mpiexec() is None, reason="needs mpi4py and mpiexec: pip install -e .[mpi]")
+@pytest.mark.skipif(bench.find_mpiexec() is None,
+                    reason="needs mpi4py and mpiexec: pip install -e .[mpi]")
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binds 2 ranks to 2 cores")
 def test_bench_runs_one_process_and_two_ranks(tmp_path):
     """bench.py --ranks 2 (without torch): both set-ups train the same model on the same
