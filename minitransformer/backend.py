@@ -63,6 +63,13 @@ def device_of(array):
     return "cuda" if get_array_module(array) is not np else "cpu"
 
 
+def accumulation_dtype(dtype):
+    """The dtype a reduction over ``dtype`` values runs in: float32 for float16 (its 11-bit
+    significand loses small terms of a long sum, and its range ends at 65504), else ``dtype``."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
 def to_numpy(array):
     """A NumPy copy (or the array itself when already NumPy)."""
     if _cupy is not None and isinstance(array, _cupy.ndarray):
@@ -97,10 +104,11 @@ class Generator:
         self._seed, self.draws = int(seed), 0
 
     def random(self, shape, dtype):
-        """Uniform [0, 1) of ``dtype`` (float32 or float64)."""
+        """Uniform [0, 1) of ``dtype`` (float32 or float64; float16 draws float32, which
+        compares with a dropout rate just as well)."""
         key = int(np.random.SeedSequence([self._seed, self.draws]).generate_state(1, np.uint64)[0])
         self.draws += 1
-        return self.xp.random.default_rng(key).random(shape, dtype=dtype)
+        return self.xp.random.default_rng(key).random(shape, dtype=accumulation_dtype(dtype))
 
     def get_state(self):
         return {"seed": self._seed, "draws": self.draws}

@@ -3,7 +3,7 @@ from .engine.attention import scaled_dot_product_attention  # noqa: F401
 from .engine.cross_entropy import softmax_cross_entropy  # noqa: F401
 from .engine.layernorm import layer_norm  # noqa: F401
 from .engine.linear_cross_entropy import linear_cross_entropy  # noqa: F401
-from .engine.ops import (add, div, dropout, embedding, exp, linear, log, matmul, mean,  # noqa: F401
+from .engine.ops import (add, cast, div, dropout, embedding, exp, linear, log, matmul, mean,  # noqa: F401
                          merge_heads, mul, neg, power, relu, reshape, split_heads, sub, sum,
                          transpose)
 from .engine.softmax import log_softmax, softmax  # noqa: F401

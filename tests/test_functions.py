@@ -297,6 +297,8 @@ CASES = [
          F.linear, naive_linear),
     Case("linear_no_bias", ops.Linear, _rr((3, 4), (4, 5)), lambda x, w: F.linear(x, w),
          naive_linear),
+    # the dtype change itself is tested in test_mixed_precision.py; here the node in float64
+    Case("cast", ops.Cast, _r(3, 4), lambda x: ops.cast(x, x.dtype), lambda x: x.copy()),
     # regularisation and lookup
     Case("dropout", ops.Dropout, _r(4, 6), lambda x: F.dropout(x, 0.4, _gen(x), training=True)),
     # no padding id among the ids here: the padding row's gradient is deliberately 0, not

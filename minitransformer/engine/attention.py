@@ -12,6 +12,8 @@ Backward through the saved probabilities p (and the dropout mask):
     dq = ds k,        dk = ds^T q
 Masking convention: the one mask value is -inf, added before the softmax; rows whose keys are
 all masked are defined to attend to nothing (output 0, gradient 0) instead of NaN.
+With float16 q, k, v (mixed precision) the products stay in float16 and the softmax and its
+Jacobian run in float32 (``backend.accumulation_dtype``); p is kept in float16.
 """
 import math
 
@@ -42,6 +44,7 @@ class ScaledDotProductAttention(Function):
         T, S, K = q.shape[-2], k.shape[-2], q.shape[-1]
         self.scale = q.dtype.type(1.0 / math.sqrt(K))
         s = (q * self.scale) @ k.swapaxes(-1, -2)  # (B, H, T, S)
+        s = s.astype(backend.accumulation_dtype(s.dtype), copy=False)
         bias = attention_bias(xp, s.dtype, self.key_mask, self.causal, T, S)
         if bias is not None:
             s += bias
@@ -54,6 +57,7 @@ class ScaledDotProductAttention(Function):
         if bias is not None:
             z[z == 0] = 1
         s /= z  # s is now p
+        s = s.astype(q.dtype, copy=False)
         self.p, self.q, self.k, self.v = s, q, k, v
         if self.store is not None:  # attention maps for plotting, (B, H, T, S)
             self.store.append(backend.to_numpy(s))
@@ -71,9 +75,12 @@ class ScaledDotProductAttention(Function):
         dp = dout @ v.swapaxes(-1, -2)  # (B, H, T, S)
         if mask is not None:
             dp *= mask
-        dp -= (dp * p).sum(axis=-1, keepdims=True)
-        dp *= p
+        acc = backend.accumulation_dtype(dp.dtype)
+        dp, pa = dp.astype(acc, copy=False), p.astype(acc, copy=False)
+        dp -= (dp * pa).sum(axis=-1, keepdims=True)
+        dp *= pa
         dp *= self.scale  # dp is now ds
+        dp = dp.astype(q.dtype, copy=False)
         return dp @ k, dp.swapaxes(-1, -2) @ q, dv
 
 

@@ -7,6 +7,9 @@ Backward (closed form; dxh = dy * gamma is the gradient reaching x_hat):
     dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat))
     dgamma = sum over rows of dy * x_hat,  dbeta = sum over rows of dy
 Saves x_hat and rstd, nothing else.
+With float16 x (mixed precision) the statistics and both passes run in float32
+(``backend.accumulation_dtype``); y and dx come back in float16, and gamma, beta and their
+gradients keep their own dtype (float32 master weights).
 """
 from .. import backend
 from .tensor import Function
@@ -15,25 +18,29 @@ from .tensor import Function
 class LayerNorm(Function):
     def forward(self, x, gamma, beta):
         xp = backend.get_array_module(x)
+        self.in_dtype, acc = x.dtype, backend.accumulation_dtype(x.dtype)
+        x = x.astype(acc, copy=False)
         mean = x.mean(axis=-1, keepdims=True)
         xc = x - mean
         var = (xc * xc).mean(axis=-1, keepdims=True)
-        rstd = 1.0 / xp.sqrt(var + x.dtype.type(self.eps))
+        rstd = 1.0 / xp.sqrt(var + acc.type(self.eps))
         xc *= rstd  # xc is now x_hat
         self.x_hat, self.rstd, self.gamma = xc, rstd, gamma
-        return xc * gamma + beta
+        y = xc * gamma.astype(acc, copy=False) + beta.astype(acc, copy=False)
+        return y.astype(self.in_dtype, copy=False)
 
     def backward(self, dy):
-        x_hat, rstd = self.x_hat, self.rstd
+        x_hat, rstd, gamma = self.x_hat, self.rstd, self.gamma
         D = x_hat.shape[-1]
+        dy = dy.astype(x_hat.dtype, copy=False)
         dy2, xh2 = dy.reshape(-1, D), x_hat.reshape(-1, D)
-        dgamma = (dy2 * xh2).sum(axis=0)
-        dbeta = dy2.sum(axis=0)
-        dxh = dy * self.gamma
+        dgamma = (dy2 * xh2).sum(axis=0).astype(gamma.dtype, copy=False)
+        dbeta = dy2.sum(axis=0).astype(gamma.dtype, copy=False)
+        dxh = dy * gamma.astype(x_hat.dtype, copy=False)
         dx = dxh - dxh.mean(axis=-1, keepdims=True)
         dx -= x_hat * (dxh * x_hat).mean(axis=-1, keepdims=True)
         dx *= rstd
-        return dx, dgamma, dbeta
+        return dx.astype(self.in_dtype, copy=False), dgamma, dbeta
 
 
 def layer_norm(x, gamma, beta, eps=1e-5):

@@ -12,6 +12,9 @@ folds dz into dh and dW, and frees it: the (N, V) logits never exist all at once
 the largest block of memory of a small model. Backward only scales dh and dW by the
 upstream gradient. Under no_grad (validation) the gradient part is skipped.
 The result equals ``softmax_cross_entropy(linear(h, W^T), t)`` (tested in test_fused.py).
+With float16 h and W (mixed precision) the products run in float16 and everything between
+them (max, exp, sums, the loss) in float32; the loss comes back in float32, dh and dW in
+float16.
 """
 from .. import backend
 from .cross_entropy import smoothing_weights
@@ -28,21 +31,22 @@ class LinearCrossEntropy(Function):
         dv = self.layout == "dv"
         V = w.shape[1] if dv else w.shape[0]
         c_t, c_o = smoothing_weights(self.eps, V, self.smoothing)
-        one = h.dtype.type(1)
+        acc = backend.accumulation_dtype(h.dtype)  # h's dtype, or float32 for float16
         valid = (t != self.pad_idx) if self.pad_idx is not None else xp.ones(t.shape, bool)
         tc = xp.where(valid, t, 0)
         if self.compute_grad:
             self.dh = xp.empty_like(h2)
-            self.dw = xp.zeros_like(w)
-        total = xp.zeros((), dtype=h.dtype)
+            self.dw = xp.zeros(w.shape, acc)
+        total = xp.zeros((), dtype=acc)
         # sum_v z_nv = h_n . w_sum with w_sum = sum_v W_v: the smoothing term's row sums
         # (and, below, its gradient) without a pass over the logits
-        w_sum = w.sum(axis=1) if dv else w.sum(axis=0)  # (D,)
+        w_sum = w.sum(axis=1, dtype=acc) if dv else w.sum(axis=0, dtype=acc)  # (D,)
         h_sum = xp.zeros_like(w_sum)  # sum of h_n over non-padding rows
         rows = max(1, CHUNK_ELEMENTS // V)
         for a in range(0, h2.shape[0], rows):
             hc, tcc, vc = h2[a:a + rows], tc[a:a + rows], valid[a:a + rows]
-            z = hc @ w if dv else hc @ w.T  # (n, V)
+            z = (hc @ w if dv else hc @ w.T).astype(acc, copy=False)  # (n, V)
+            hc = hc.astype(acc, copy=False)
             r = xp.arange(z.shape[0])
             z_t, z_sum = z[r, tcc], hc @ w_sum
             m = z.max(axis=1, keepdims=True)
@@ -57,22 +61,26 @@ class LinearCrossEntropy(Function):
                 # so the row scale [valid] / s and the constant c_o go into the (n, D) side
                 # of the products: dh = scale * (e' W) - [valid] c_o w_sum,
                 # dW = e'^T (scale * h) - c_o * (sum of valid h_n) for every row v.
-                z[r, tcc] -= h.dtype.type(c_t - c_o) * s
-                scale = (vc / s).astype(h.dtype)[:, None]  # (n, 1); 0 on padding rows
-                self.dh[a:a + rows] = (z @ (w.T if dv else w)) * scale \
-                    - h.dtype.type(c_o) * vc[:, None] * w_sum
-                hs = hc * scale
-                self.dw += (hs.T @ z) if dv else (z.T @ hs)
+                z[r, tcc] -= acc.type(c_t - c_o) * s
+                scale = (vc / s).astype(acc)[:, None]  # (n, 1); 0 on padding rows
+                e = z.astype(h.dtype, copy=False)  # the products in h's dtype
+                self.dh[a:a + rows] = (e @ (w.T if dv else w)) * scale \
+                    - acc.type(c_o) * vc[:, None] * w_sum
+                hs = (hc * scale).astype(h.dtype, copy=False)
+                self.dw += (hs.T @ e) if dv else (e.T @ hs)
                 h_sum += (hc * vc[:, None]).sum(axis=0)
         if self.compute_grad:
-            c = h.dtype.type(c_o)
+            c = acc.type(c_o)
             self.dw -= (c * h_sum)[:, None] if dv else c * h_sum  # the c_o term of dW
-        self.h_shape = h.shape
+        self.h_shape, self.w_dtype = h.shape, w.dtype
         return total
 
     def backward(self, dloss):
-        g = dloss.astype(self.dh.dtype)
-        return (self.dh * g).reshape(self.h_shape), self.dw * g, None
+        # the scaling in the wider dtype: a float16 run's loss scale need not fit float16
+        # itself (65504 at most); the scaled gradients then overflow only if they really do
+        g = dloss.astype(self.dw.dtype)
+        dh = (self.dh * g).astype(self.dh.dtype, copy=False).reshape(self.h_shape)
+        return dh, (self.dw * g).astype(self.w_dtype, copy=False), None
 
 
 def linear_cross_entropy(h, weight, targets, label_smoothing=0.0, pad_idx=None,

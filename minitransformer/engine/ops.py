@@ -5,6 +5,8 @@ D d_model, H heads, K = D / H, F d_ff, V vocabulary, N = B * T tokens.
 Broadcasting: backward returns the gradient in the *output* shape; the engine sums it back
 to each input's shape (``tensor.unbroadcast``), in one place.
 """
+import numpy as np
+
 from .. import backend
 from .tensor import Function, Tensor, as_tensor
 
@@ -219,9 +221,12 @@ class Linear(Function):
 
     Runs as one 2-D GEMM over all N = prod(...) rows.
     dx = dy W^T;  dW = x^T dy;  db = sum_n dy.
+    The output has x's dtype; b may be wider (float32 with float16 x and W under mixed
+    precision): it is added in place, and db is summed in b's dtype.
     """
     def forward(self, x, w, b=None):
-        self.x, self.w, self.has_bias = x, w, b is not None
+        self.x, self.w = x, w
+        self.b_dtype = None if b is None else b.dtype
         y = x.reshape(-1, x.shape[-1]) @ w
         if b is not None:
             y += b
@@ -232,9 +237,25 @@ class Linear(Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = (dy2 @ w.T).reshape(x.shape)
         dw = x.reshape(-1, x.shape[-1]).T @ dy2
-        if not self.has_bias:
+        if self.b_dtype is None:
             return dx, dw
-        return dx, dw, dy2.sum(axis=0)
+        return dx, dw, dy2.sum(axis=0, dtype=self.b_dtype)
+
+
+# ---- precision -----------------------------------------------------------------------------
+class Cast(Function):
+    """y = x converted to ``dtype``;  dx = dy converted back to x's dtype.
+
+    Mixed precision (nn/transformer.py, ``compute_dtype``) puts one in front of each
+    float32 weight that enters a float16 product, so the product runs in float16 while the
+    gradient lands, in float32, on the float32 master weight.
+    """
+    def forward(self, x):
+        self.in_dtype = x.dtype
+        return x.astype(self.dtype)
+
+    def backward(self, dy):
+        return dy.astype(self.in_dtype)
 
 
 # ---- regularisation and lookup ------------------------------------------------------------
@@ -288,6 +309,11 @@ def transpose(x, axes=None): return Transpose.apply(x, axes=None if axes is None
 def split_heads(x, n_heads): return SplitHeads.apply(x, n_heads=n_heads)
 def merge_heads(x, n_heads): return MergeHeads.apply(x, n_heads=n_heads)
 def matmul(a, b): return MatMul.apply(*_pair(a, b))
+
+
+def cast(x, dtype):
+    """x as ``dtype`` (a Cast node on the tape, also when the dtype is already x's)."""
+    return Cast.apply(x, dtype=np.dtype(dtype))
 
 
 def linear(x, weight, bias=None):

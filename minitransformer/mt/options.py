@@ -85,6 +85,16 @@ def build_parser():
     g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.98])
     g.add_argument("--adam-eps", type=float, default=1e-9)
     g.add_argument("--clip-norm", type=float, default=0.0, help="0 = no clipping")
+    g.add_argument("--precision", default="float32", choices=["float32", "float16"],
+                   help="float16: mixed precision, for GPUs with float16 tensor cores (float16 "
+                        "activations and products, float32 master weights and optimizer, "
+                        "dynamic loss scaling); on a CPU it is slower than float32")
+    g.add_argument("--loss-scale-init", type=float, default=2.0 ** 7,
+                   help="float16: the first loss scale (of the loss summed over a batch's tokens)")
+    g.add_argument("--loss-scale-window", type=int, default=2000,
+                   help="float16: double the loss scale after this many updates without overflow")
+    g.add_argument("--min-loss-scale", type=float, default=2.0 ** -14,
+                   help="float16: stop with an error when overflows push the loss scale below this")
     g.add_argument("--update-freq", type=int, default=1,
                    help="accumulate gradients over this many batches per update")
     g.add_argument("--max-updates", type=int, default=None,

@@ -14,10 +14,13 @@ import signal
 import sys
 import time
 
+import numpy as np
+
 from .. import backend
 from ..engine.tensor import no_grad
 from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
-from ..optim import Adam, clip_grad_norm, linear_decay_lr, noam_lr
+from ..optim import (Adam, DynamicLossScaler, LossScaleCollapse, clip_grad_norm, linear_decay_lr,
+                     noam_lr)
 from . import checkpoint as ckpt
 from .data import Batches, DataError, collate, read_parallel
 from .fileio import atomic_write_text
@@ -62,6 +65,12 @@ class Log:
             self.file.close()
 
 
+# Where --precision float16 may run. NumPy has no float16 matrix product that accumulates in
+# float32 (as GPU tensor cores do): its own rounds every partial sum to float16, so long sums
+# overflow, and it is ~100x slower than float32. The tests widen this to run the logic on a CPU.
+FLOAT16_DEVICES = ("cuda",)
+
+
 class Trainer:
     def __init__(self, args, comm=None):
         self.args, self.comm = args, comm
@@ -72,6 +81,10 @@ class Trainer:
         if comm is not None:  # this rank's GPU (by local rank) and NCCL, or the CPU and MPI
             device = comm.init_device(device)
         self.device = device
+        if args.precision == "float16" and device not in FLOAT16_DEVICES:
+            raise SystemExit(f"error: --precision float16 needs a GPU (--device cuda); this run's "
+                             f"device is {device}, where NumPy's float16 matrix products are "
+                             "slow and round every partial sum to float16: use float32 here")
         self.run_dir = args.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
         resume_path = os.path.join(self.run_dir, "checkpoint_last.npz")
@@ -103,7 +116,11 @@ class Trainer:
             atomic_write_text(cfg_path, json.dumps(
                 {"model": dataclasses.asdict(self.cfg), "train": self._train_options()},
                 indent=2, sort_keys=True))
-        self.model = Transformer(self.cfg, seed=args.seed, device=device)
+        half = args.precision == "float16"
+        self.model = Transformer(self.cfg, seed=args.seed, device=device,
+                                 compute_dtype=np.float16 if half else None)
+        self.scaler = DynamicLossScaler(args.loss_scale_init, 2.0, args.loss_scale_window,
+                                        args.min_loss_scale) if half else None
         self.params = self.model.parameters()
         self.optim = Adam(self.params, lr=0.0, betas=tuple(args.adam_betas), eps=args.adam_eps)
         self.update, self.best_bleu = 0, -1.0
@@ -223,9 +240,12 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------------
     def _meta(self):
-        return {"update": self.update, "best_bleu": self.best_bleu, "data": self.batches.state_dict(),
-                "rng": self.model.rng.get_state(), "spm_sha256": self.spm_sha,
-                "train_time": self.train_time}
+        meta = {"update": self.update, "best_bleu": self.best_bleu,
+                "data": self.batches.state_dict(), "rng": self.model.rng.get_state(),
+                "spm_sha256": self.spm_sha, "train_time": self.train_time}
+        if self.scaler is not None:
+            meta["loss_scale"] = self.scaler.state_dict()
+        return meta
 
     def save(self, name):
         if not self.main:
@@ -243,6 +263,8 @@ class Trainer:
         self.train_time = meta.get("train_time", 0.0)
         self.batches.load_state_dict(meta["data"])
         self.model.rng.set_state(meta["rng"])
+        if self.scaler is not None and "loss_scale" in meta:
+            self.scaler.load_state_dict(meta["loss_scale"])
 
     # ---- training ------------------------------------------------------------------------
     def lr_at(self, update):
@@ -253,7 +275,11 @@ class Trainer:
 
     def train_update(self):
         """One update: update_freq batches, gradients summed, then divided by the number of
-        target tokens (over all ranks), clipped, and one Adam step. -> (loss_sum, tokens)."""
+        target tokens (over all ranks), clipped, and one Adam step. -> (loss_sum, tokens).
+
+        In float16 (``--precision float16``) backward starts from the loss scale S and the
+        gradients are divided by it again; an update whose gradients overflowed is skipped
+        (``self.update`` does not advance) and S is halved (optim/loss_scale.py)."""
         self.model.train()
         if self.comm:  # each rank its own dropout masks, a function of (seed, rank, update)
             self.model.rng.seed(self.comm.dropout_seed(self.args.seed, self.update))
@@ -266,14 +292,26 @@ class Trainer:
                 continue
             b = collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id)
             loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
-            loss.backward()
+            if self.scaler is None:
+                loss.backward()
+            else:  # an overflow is expected now and then: the scaler handles it, quietly
+                with np.errstate(over="ignore", invalid="ignore"):
+                    loss.backward(self.scaler.scale)
             loss_sum, n_tok = loss_sum + float(loss.data), n_tok + n
         if self.comm:
             loss_sum, n_tok = self.comm.allreduce_grads(self.params, loss_sum, n_tok)
         scale = 1.0 / max(n_tok, 1)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad *= p.dtype.type(scale)
+        if self.scaler is not None:
+            # (after the all-reduce, so every rank sees the same inf and decides alike)
+            finite = self.scaler.unscale_([p.grad for p in self.params], scale)
+            self.scaler.update(finite)  # LossScaleCollapse when S falls below its minimum
+            if not finite:
+                self.optim.zero_grad()
+                return loss_sum, n_tok
+        else:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad *= p.dtype.type(scale)
         if self.args.clip_norm > 0:
             clip_grad_norm(self.params, self.args.clip_norm)
         self.update += 1
@@ -330,13 +368,19 @@ class Trainer:
                 if a.max_time and elapsed >= a.max_time * 60:
                     reason = f"reached --max-time {a.max_time} min"
                     break
-                t0 = time.perf_counter()
+                t0, before = time.perf_counter(), self.update
                 loss_sum, n_tok = self.train_update()
                 window_t += time.perf_counter() - t0  # tokens/s counts update time only
                 self.train_time = time.perf_counter() - start
                 window_loss += loss_sum
                 window_tok += n_tok
                 window_n += 1
+                if self.update == before:  # float16: gradients overflowed, update skipped
+                    log.info(f"update {self.update + 1}: float16 gradients overflowed; update "
+                             f"skipped, loss scale now {self.scaler.scale:g}")
+                    if stop["signal"] is not None and not self.comm:
+                        break
+                    continue
                 if stop["signal"] is not None and not self.comm:  # (ranks: at the loop's top)
                     break
                 if self.update % a.log_every == 0 or self.update == 1:
@@ -345,6 +389,8 @@ class Trainer:
                            "loss": loss, "ppl": math.exp(min(loss, 50)), "lr": self.optim.lr,
                            "tokens_per_s": window_tok / max(window_t, 1e-9),
                            "time": self.train_time}
+                    if self.scaler is not None:
+                        rec["loss_scale"] = self.scaler.scale
                     if self.comm:  # seconds per update spent summing gradients, of the whole
                         rec["allreduce_s"] = (self.comm.allreduce_s - window_ar) / window_n
                         rec["update_s"] = window_t / window_n
@@ -439,4 +485,8 @@ def main(argv=None, comm=None):
     except (DataError, ckpt.CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except LossScaleCollapse as exc:
+        print(f"error: update {trainer.update + 1}: {exc}. The checkpoints in {args.run_dir} are "
+              "as the last validation or --save-every left them.", file=sys.stderr)
+        return 3
     return 0

@@ -98,7 +98,10 @@ class Linear(Module):
         self.bias = parameter(xp.zeros(d_out, dtype=dtype)) if bias else None
 
     def forward(self, x):
-        return ops.linear(x, self.weight, self.bias)
+        # mixed precision: a float32 weight meeting float16 inputs enters the product as a
+        # float16 copy (its gradient comes back in float32); the bias is added as it is
+        w = self.weight if x.dtype == self.weight.dtype else ops.cast(self.weight, x.dtype)
+        return ops.linear(x, w, self.bias)
 
 
 class LayerNorm(Module):

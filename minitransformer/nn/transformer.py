@@ -211,8 +211,12 @@ class Transformer(Module):
       enc_norm, dec_norm .{gamma, beta}  only with norm='pre'
     """
 
-    def __init__(self, cfg, seed=0, device="cpu", dtype=np.float32):
+    def __init__(self, cfg, seed=0, device="cpu", dtype=np.float32, compute_dtype=None):
         self.cfg, self.device, self.dtype = cfg, device, np.dtype(dtype)
+        # mixed precision: with compute_dtype float16 the parameters stay ``dtype`` (the
+        # master weights the optimizer updates) and the activations, products and their
+        # gradients run in float16; see ``embed``, ``logits`` and ``loss``
+        self.compute_dtype = np.dtype(compute_dtype or dtype)
         xp = backend.get_xp(device)
         init = np.random.default_rng(seed)  # parameter initialisation (host, then copied)
         self.rng = backend.Generator(seed + 1, device)  # dropout masks
@@ -258,6 +262,8 @@ class Transformer(Module):
             x = x + pos
         else:
             x = x + Tensor(self.pe[offset:offset + L])
+        if x.dtype != self.compute_dtype:  # the activations' dtype from here on
+            x = ops.cast(x, self.compute_dtype)
         return self.emb_drop(x)
 
     def xp(self):
@@ -288,11 +294,17 @@ class Transformer(Module):
             y = self.dec_norm(y)
         return y
 
+    def _in_compute_dtype(self, p):
+        return p if p.dtype == self.compute_dtype else ops.cast(p, self.compute_dtype)
+
     def logits(self, h):
-        """Pre-softmax projection (§3.4): h (B, T, D) -> (B, T, V)."""
+        """Pre-softmax projection (§3.4): h (B, T, D) -> (B, T, V), in the parameters' dtype
+        (under mixed precision the product runs in float16 and the scores are widened)."""
         if self.cfg.share_embeddings:
-            return ops.linear(h, ops.transpose(self.embedding))
-        return self.out_proj(h)
+            z = ops.linear(h, ops.transpose(self._in_compute_dtype(self.embedding)))
+        else:
+            z = self.out_proj(h)
+        return z if z.dtype == self.dtype else ops.cast(z, self.dtype)
 
     def forward(self, src, tgt_in):
         memory, src_mask = self.encode(src)
@@ -309,7 +321,7 @@ class Transformer(Module):
         cfg = self.cfg
         weight, layout = (self.embedding, "vd") if cfg.share_embeddings else \
             (self.out_proj.weight, "dv")
-        return linear_cross_entropy(h, weight, self.ids(tgt_out), cfg.label_smoothing,
+        return linear_cross_entropy(h, self._in_compute_dtype(weight), self.ids(tgt_out), cfg.label_smoothing,
                                     pad_idx=cfg.pad_id, smoothing=cfg.smoothing, layout=layout)
 
     def new_cache(self):
