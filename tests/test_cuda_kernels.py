@@ -189,7 +189,7 @@ class TestParity:
             e = np.exp(want - m)
             z = e.sum(axis=-1, keepdims=True)
             z[z == 0] = 1
-            got = ck.masked_softmax_(cp.asarray(s), None if bias is None else cp.asarray(bias))
+            got = ck.masked_softmax_(cp.array(s), None if bias is None else cp.asarray(bias))
             assert_close(got, e / z, RTOL[dtype] * 10, ATOL[dtype], f"bias {np.shape(bias)}")
         big = cp.asarray(rng.standard_normal((2, 3, 2, 2, 3, 6)).astype(dtype))  # 5 leading axes
         bias = cp.zeros((1, 1, 1, 1, 1, 6), dtype)
@@ -204,8 +204,8 @@ class TestParity:
         s = (rng.standard_normal((2, 3, 5, 77)) * 4).astype(np.float16)
         bias = np.where(rng.random((2, 1, 1, 77)) > 0.3, 0, -np.inf).astype(np.float16)
         bias[1] = -np.inf
-        got = ck.masked_softmax_(cp.asarray(s), cp.asarray(bias))
-        want = ck.masked_softmax_(cp.asarray(s, dtype=np.float32), cp.asarray(bias, np.float32))
+        got = ck.masked_softmax_(cp.array(s), cp.asarray(bias))
+        want = ck.masked_softmax_(cp.array(s, dtype=np.float32), cp.asarray(bias, np.float32))
         assert got.dtype == np.float16
         assert_close(got, want, 1e-3, 1e-3, "p float16")
         assert float(cp.abs(got[1]).max()) == 0.0
@@ -256,7 +256,7 @@ class TestParity:
         z_sum = z.sum(axis=1)
         want_z = z.copy()
         want_loss, want_s = self.ce_reference(want_z, t, valid, c_t, c_o, z_sum)
-        zc = cp.asarray(z)
+        zc = cp.array(z)  # a copy: the kernel works in place
         loss, s = ck.smoothed_ce_chunk(zc, cp.asarray(t), cp.asarray(valid), c_t, c_o,
                                        want_grad=False,
                                        z_sum=cp.asarray(z_sum) if pass_z_sum else None)
@@ -277,7 +277,7 @@ class TestParity:
         valid = np.ones(9, bool)
         valid[4] = False
         c_t, c_o = smoothing_weights(0.1, 1000)
-        z16, z32 = cp.asarray(z), cp.asarray(z, dtype=np.float32)
+        z16, z32 = cp.array(z), cp.array(z, dtype=np.float32)
         args = (cp.asarray(t), cp.asarray(valid), c_t, c_o, True)
         loss16, s16 = ck.smoothed_ce_chunk(z16, *args)
         loss32, s32 = ck.smoothed_ce_chunk(z32, *args)
@@ -318,7 +318,7 @@ class TestParity:
         grads = [rng.standard_normal((7, 77)).astype(dtype) for _ in range(3)]
         param = Tensor(p0.copy(), requires_grad=True)
         opt = Adam([param], lr=1e-2, betas=(0.9, 0.98), eps=1e-9, weight_decay=weight_decay)
-        pc, m, v = cp.asarray(p0), cp.zeros(p0.shape, dtype), cp.zeros(p0.shape, dtype)
+        pc, m, v = cp.array(p0), cp.zeros(p0.shape, dtype), cp.zeros(p0.shape, dtype)
         for step, g in enumerate(grads, start=1):
             param.grad = g
             opt.step()
