@@ -1,0 +1,455 @@
+"""Fused CuPy kernels for the GPU fast path: the same formulas as the NumPy ops, fewer passes.
+
+Each function takes and returns raw CuPy arrays and computes exactly the formula of the
+NumPy code named in its docstring, so it can be swapped in where ``xp is cupy`` and is
+parity-tested against it (tests/test_cuda_kernels.py). Rounding differs only in summation
+order and contracted multiply-adds.
+
+    layer_norm_forward / layer_norm_backward    layernorm.py
+    masked_softmax_                             attention.py (bias, softmax, masked rows)
+    dropout_residual                            ops.py Dropout, then the residual add
+    smoothed_ce_chunk                           linear_cross_entropy.py, one chunk of rows
+    adam_update_                                optim/adam.py, one parameter array
+
+Two kinds of kernel:
+- row kernels (one thread block per row, CUDA templates in ``ROW_KERNELS_SOURCE``) where a
+  row-wise reduction (mean, max, sum) is followed by an elementwise pass over the same row;
+- ``cupy.ElementwiseKernel`` (``ELEMENTWISE_SPECS``) where every element is independent.
+Dtypes: float32 and float64; row kernels also take float16 and then accumulate in float32
+(``Acc<T>::type`` is float for float16/float32, double for float64) and write the input dtype.
+
+Nothing here imports CuPy: it comes from ``backend._cupy``, and kernels are compiled on first
+use and cached in ``_kernels``, so this module imports (and ``available()`` says False)
+where CuPy or a GPU is missing.
+"""
+import numpy as np
+
+from .. import backend
+
+MAX_THREADS = 512  # threads per block of a row kernel (a multiple of 32)
+
+# ---- CUDA source of the row kernels ------------------------------------------------------------
+# Self-contained (no #include), so NVRTC compiles it anywhere, with or without a GPU.
+ROW_KERNELS_SOURCE = r"""
+// Storage type T -> accumulator type A = Acc<T>::type, with load (T -> A) and store (A -> T).
+// float16 is stored as raw bits and converted with PTX cvt instructions (no cuda_fp16.h).
+struct f16 { unsigned short bits; };
+
+template <typename T> struct Acc;
+template <> struct Acc<float> {
+    typedef float type;
+    static __device__ float load(float v) { return v; }
+    static __device__ float store(float a) { return a; }
+    static __device__ float neg_inf() { return __int_as_float(0xff800000); }
+};
+template <> struct Acc<double> {
+    typedef double type;
+    static __device__ double load(double v) { return v; }
+    static __device__ double store(double a) { return a; }
+    static __device__ double neg_inf() { return __longlong_as_double(0xfff0000000000000LL); }
+};
+template <> struct Acc<f16> {
+    typedef float type;
+    static __device__ float load(f16 v) {
+        float a;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(v.bits));
+        return a;
+    }
+    static __device__ f16 store(float a) {
+        f16 v;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v.bits) : "f"(a));
+        return v;
+    }
+    static __device__ float neg_inf() { return __int_as_float(0xff800000); }
+};
+
+// ---- block-wide reductions ----
+// blockDim.x is a multiple of 32. Each warp reduces its 32 values with xor shuffles (after
+// which every lane holds the warp's result), warp results meet in shared[0..31], and every
+// warp reduces those: all threads return the same value, so no extra broadcast is needed.
+template <typename A> __device__ A warp_sum(A v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <typename A> __device__ A warp_max(A v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        A w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+template <typename A> __device__ A block_sum(A v, A* shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // a previous call may still be reading shared
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < (int)(blockDim.x >> 5) ? shared[lane] : A(0));
+}
+template <typename A> __device__ A block_max(A v, A* shared, A identity) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    return warp_max(lane < (int)(blockDim.x >> 5) ? shared[lane] : identity);
+}
+
+// ---- LayerNorm forward: one block per row of D; thread i handles j = i, i + blockDim, ... ----
+// mean = sum(x) / D, var = sum((x - mean)^2) / D (two passes), rstd = 1 / sqrt(var + eps),
+// x_hat = (x - mean) * rstd, y = x_hat * gamma + beta.
+template <typename T>
+__global__ void layer_norm_forward(const T* x, const T* gamma, const T* beta,
+                                   T* y, T* x_hat, T* rstd, int D, double eps) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    const long long off = (long long)blockIdx.x * D;
+    x += off; y += off; x_hat += off;
+    A sum = 0;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) sum += C::load(x[j]);
+    const A mean = block_sum(sum, shared) / A(D);
+    A sq = 0;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A c = C::load(x[j]) - mean;
+        sq += c * c;
+    }
+    const A var = block_sum(sq, shared) / A(D);
+    const A r = A(1) / sqrt(var + A(eps));
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A xh = (C::load(x[j]) - mean) * r;
+        x_hat[j] = C::store(xh);
+        y[j] = C::store(xh * C::load(gamma[j]) + C::load(beta[j]));
+    }
+    if (threadIdx.x == 0) rstd[blockIdx.x] = C::store(r);
+}
+
+// ---- LayerNorm backward (dx only): one block per row of D ----
+// dxh = dy * gamma,  dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat)).
+template <typename T>
+__global__ void layer_norm_backward(const T* dy, const T* x_hat, const T* rstd, const T* gamma,
+                                    T* dx, int D) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    const long long off = (long long)blockIdx.x * D;
+    dy += off; x_hat += off; dx += off;
+    A s1 = 0, s2 = 0;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A dxh = C::load(dy[j]) * C::load(gamma[j]);
+        s1 += dxh;
+        s2 += dxh * C::load(x_hat[j]);
+    }
+    const A mean_dxh = block_sum(s1, shared) / A(D);
+    const A mean_dxh_xh = block_sum(s2, shared) / A(D);
+    const A r = C::load(rstd[blockIdx.x]);
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A dxh = C::load(dy[j]) * C::load(gamma[j]);
+        dx[j] = C::store(((dxh - mean_dxh) - C::load(x_hat[j]) * mean_dxh_xh) * r);
+    }
+}
+
+// ---- masked softmax, in place: one block per row of S ----
+// v = s + bias (bias read through element strides, so a broadcast view costs no copy),
+// m = max v (0 when not finite: a fully masked row), e = exp(v - m), z = sum e (1 when 0),
+// s = e / z. The row index is unravelled over the leading shape (n0, n1, n2, n3).
+template <typename T>
+__device__ typename Acc<T>::type biased(const T* row, const T* brow, long long bs, int j) {
+    return Acc<T>::load(row[j]) + (brow ? Acc<T>::load(brow[j * bs]) : typename Acc<T>::type(0));
+}
+
+template <typename T>
+__global__ void masked_softmax(T* s, const T* bias, int S, long long n1, long long n2,
+                               long long n3, long long b0, long long b1, long long b2,
+                               long long b3, long long bs, int has_bias) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    long long r = blockIdx.x;
+    T* row = s + r * S;
+    const T* brow = 0;
+    if (has_bias) {
+        const long long i3 = r % n3; r /= n3;
+        const long long i2 = r % n2; r /= n2;
+        const long long i1 = r % n1; r /= n1;
+        brow = bias + r * b0 + i1 * b1 + i2 * b2 + i3 * b3;
+    }
+    A m = C::neg_inf();
+    for (int j = threadIdx.x; j < S; j += blockDim.x) {
+        const A v = biased(row, brow, bs, j);
+        m = v > m ? v : m;
+    }
+    m = block_max(m, shared, C::neg_inf());
+    if (!isfinite(m)) m = A(0);  // every key masked: exp(-inf - 0) = 0, no NaN
+    A z = 0;
+    for (int j = threadIdx.x; j < S; j += blockDim.x) z += exp(biased(row, brow, bs, j) - m);
+    z = block_sum(z, shared);
+    if (z == A(0)) z = A(1);
+    for (int j = threadIdx.x; j < S; j += blockDim.x)
+        row[j] = C::store(exp(biased(row, brow, bs, j) - m) / z);
+}
+
+// ---- label-smoothed cross-entropy of one chunk of logits: one block per row of V ----
+// m = max z, s = sum exp(z - m), lse = m + log s,
+// loss = (lse - c_o * z_sum - c_d * z[t]) * valid  with c_d = c_t - c_o and z_sum = sum z
+// (or the caller's z_sum when has_z_sum). With want_grad, z becomes e' = exp(z - m) with
+// e'[t] -= c_d * s. Padding rows (valid = 0) use class 0 as target, like the NumPy code.
+template <typename T>
+__global__ void smoothed_ce_chunk(T* z, const long long* t, const bool* valid,
+                                  const typename Acc<T>::type* z_sum_in,
+                                  typename Acc<T>::type* row_loss, typename Acc<T>::type* s_out,
+                                  int V, double c_o, double c_d, int has_z_sum, int want_grad) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    const long long r = blockIdx.x;
+    T* row = z + r * V;
+    const bool ok = valid[r];
+    const long long tr = ok ? t[r] : 0;
+    const A z_t = C::load(row[tr]);  // read before any thread can overwrite the row
+    A m = C::neg_inf(), zs = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const A v = C::load(row[j]);
+        m = v > m ? v : m;
+        zs += v;
+    }
+    m = block_max(m, shared, C::neg_inf());
+    zs = block_sum(zs, shared);
+    A s = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const A e = exp(C::load(row[j]) - m);
+        s += e;
+        if (want_grad) row[j] = C::store(e);
+    }
+    s = block_sum(s, shared);  // its __syncthreads also publishes the writes of e
+    if (threadIdx.x == 0) {
+        const A lse = m + log(s);
+        const A z_sum = has_z_sum ? z_sum_in[r] : zs;
+        row_loss[r] = (lse - A(c_o) * z_sum - A(c_d) * z_t) * (ok ? A(1) : A(0));
+        s_out[r] = s;
+        if (want_grad) row[tr] = C::store(C::load(row[tr]) - A(c_d) * s);
+    }
+}
+"""
+
+ROW_KERNELS = ("layer_norm_forward", "layer_norm_backward", "masked_softmax", "smoothed_ce_chunk")
+STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float",
+                 np.dtype(np.float64): "double"}
+ROW_KERNEL_OPTIONS = ("--std=c++14",)
+
+
+def row_kernel_names():
+    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (12 of them)."""
+    return [f"{k}<{c}>" for k in ROW_KERNELS for c in STORAGE_TYPES.values()]
+
+
+# ---- elementwise kernels: (in_params, out_params, operation, name) for cupy.ElementwiseKernel --
+ELEMENTWISE_SPECS = {
+    # mask = [u >= p] / (1 - p),  y = x + f * mask   (ops.py Dropout on f, then x + dropout(f))
+    "dropout_residual": (
+        "T x, T f, T u, T p, T scale",
+        "T y, T mask",
+        "mask = u >= p ? scale : T(0);\n"
+        "y = x + f * mask;",
+        "minitransformer_dropout_residual"),
+    # g' = g + wd p;  m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2;
+    # p -= (lr / c1) m / (sqrt(v / c2) + eps)   (optim/adam.py, with inv_c2 = 1 / c2)
+    "adam_update": (
+        "T grad, T lr_c1, T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, "
+        "T inv_c2, T eps, T wd",
+        "T param, T m, T v",
+        "T g = grad;\n"
+        "if (wd != T(0)) g = g + wd * param;\n"
+        "m = beta1 * m + one_minus_beta1 * g;\n"
+        "v = beta2 * v + one_minus_beta2 * (g * g);\n"
+        "param = param - lr_c1 * m / (sqrt(v * inv_c2) + eps);",
+        "minitransformer_adam_update"),
+}
+
+_kernels = {}  # name -> compiled RawModule / ElementwiseKernel, built on first use
+
+
+def available():
+    """True when CuPy imports and sees a GPU: the only case where these kernels can run."""
+    return backend.cupy_available()
+
+
+def _cupy():
+    cp = backend._cupy
+    if cp is None or not backend.cupy_available():
+        raise RuntimeError(f"the CUDA kernels need CuPy and a GPU; {backend.CUPY_FIX}")
+    return cp
+
+
+def _row_kernel(name, dtype):
+    """The compiled instantiation ``name<T>`` for arrays of ``dtype``."""
+    if np.dtype(dtype) not in STORAGE_TYPES:
+        raise TypeError(f"{name}: dtype {np.dtype(dtype)} not supported "
+                        "(float16, float32, float64)")
+    module = _kernels.get("rows")
+    if module is None:
+        module = _kernels["rows"] = _cupy().RawModule(
+            code=ROW_KERNELS_SOURCE, options=ROW_KERNEL_OPTIONS,
+            name_expressions=row_kernel_names())
+    return module.get_function(f"{name}<{STORAGE_TYPES[np.dtype(dtype)]}>")
+
+
+def _elementwise(name, dtype):
+    if np.dtype(dtype) not in (np.float32, np.float64):
+        raise TypeError(f"{name}: dtype {np.dtype(dtype)} not supported (float32, float64)")
+    kernel = _kernels.get(name)
+    if kernel is None:
+        kernel = _kernels[name] = _cupy().ElementwiseKernel(*ELEMENTWISE_SPECS[name])
+    return kernel
+
+
+def _threads(n):
+    """Threads per block for a row of n elements: a multiple of 32, at most MAX_THREADS."""
+    return int(min(MAX_THREADS, 32 * max(1, -(-n // 32))))
+
+
+# ---- LayerNorm ---------------------------------------------------------------------------------
+def layer_norm_forward(x, gamma, beta, eps=1e-5):
+    """LayerNorm over the last axis, as layernorm.py's forward: x (..., D), gamma, beta (D,).
+
+    mean = sum(x) / D,  var = sum((x - mean)^2) / D,  rstd = 1 / sqrt(var + eps),
+    x_hat = (x - mean) * rstd,  y = gamma * x_hat + beta.
+    Returns (y, x_hat, rstd): y and x_hat (..., D), rstd (..., 1), all in x's dtype
+    (float16 input: statistics in float32). One block per row, two reduction passes.
+    """
+    cp = _cupy()
+    x = cp.ascontiguousarray(x)
+    D = x.shape[-1]
+    gamma = cp.ascontiguousarray(gamma, dtype=x.dtype)
+    beta = cp.ascontiguousarray(beta, dtype=x.dtype)
+    y, x_hat = cp.empty_like(x), cp.empty_like(x)
+    rstd = cp.empty(x.shape[:-1] + (1,), dtype=x.dtype)
+    rows = x.size // D if D else 0
+    if rows:
+        _row_kernel("layer_norm_forward", x.dtype)(
+            (rows,), (_threads(D),), (x, gamma, beta, y, x_hat, rstd, np.int32(D),
+                                      np.float64(eps)))
+    return y, x_hat, rstd
+
+
+def layer_norm_backward(dy, x_hat, rstd, gamma):
+    """Gradients of LayerNorm from what the forward saved, as layernorm.py's backward.
+
+    dxh = dy * gamma,  dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat))
+    (one block per row), dgamma = sum over rows of dy * x_hat, dbeta = sum over rows of dy
+    (CuPy reductions). dy, x_hat (..., D), rstd (..., 1), gamma (D,) -> dx (..., D),
+    dgamma (D,), dbeta (D,).
+    """
+    cp = _cupy()
+    dy, x_hat = cp.ascontiguousarray(dy), cp.ascontiguousarray(x_hat, dtype=dy.dtype)
+    rstd = cp.ascontiguousarray(rstd, dtype=dy.dtype)
+    gamma = cp.ascontiguousarray(gamma, dtype=dy.dtype)
+    D = dy.shape[-1]
+    dx = cp.empty_like(dy)
+    rows = dy.size // D if D else 0
+    if rows:
+        _row_kernel("layer_norm_backward", dy.dtype)(
+            (rows,), (_threads(D),), (dy, x_hat, rstd, gamma, dx, np.int32(D)))
+    dy2, xh2 = dy.reshape(-1, D), x_hat.reshape(-1, D)
+    return dx, (dy2 * xh2).sum(axis=0), dy2.sum(axis=0)
+
+
+# ---- masked softmax ----------------------------------------------------------------------------
+def masked_softmax_(s, bias=None):
+    """In place: s <- softmax(s + bias) over the last axis, as attention.py's forward.
+
+    s: C-contiguous (..., S), e.g. scores (B, H, T, S); bias: None or an additive mask
+    (0 / -inf) that broadcasts to s, e.g. (B, 1, 1, S) or (T, S); it is read through strides,
+    never expanded. Per row: v = s + bias, m = max v (0 if not finite), e = exp(v - m),
+    z = sum e (1 if 0), s = e / z. A row whose keys are all masked becomes all zeros, no NaN.
+    The two guards are applied with or without bias (they change nothing on a finite row).
+    Returns s. One block per row; float16 computes in float32.
+    """
+    cp = _cupy()
+    if not s.flags.c_contiguous:
+        raise ValueError("masked_softmax_ works in place and needs a C-contiguous array")
+    S = s.shape[-1]
+    lead = s.shape[:-1]
+    if bias is not None and len(lead) > 4:  # beyond (n0, n1, n2, n3) rows: add it first
+        s += cp.asarray(bias, dtype=s.dtype)
+        bias = None
+    n = (1,) * (4 - len(lead)) + tuple(lead) if bias is not None else (1, 1, 1, 1)
+    strides = (0, 0, 0, 0, 0)
+    if bias is not None:
+        b = cp.broadcast_to(cp.asarray(bias, dtype=s.dtype), s.shape)  # stride 0 where broadcast
+        strides = (0,) * (4 - len(lead)) + tuple(st // b.itemsize for st in b.strides)
+    rows = s.size // S if S else 0
+    if rows:
+        _row_kernel("masked_softmax", s.dtype)(
+            (rows,), (_threads(S),),
+            (s, b if bias is not None else s, np.int32(S),
+             *(np.int64(k) for k in n[1:]), *(np.int64(k) for k in strides),
+             np.int32(bias is not None)))
+    return s
+
+
+# ---- dropout + residual ------------------------------------------------------------------------
+def dropout_residual(x, f, p, u):
+    """y = x + dropout(f): mask = [u >= p] / (1 - p) in x's dtype, y = x + f * mask.
+
+    u: uniform [0, 1) of f's shape, drawn by the caller's generator (as ops.py Dropout draws
+    it), so masks stay reproducible. Returns (y, mask); dropout's backward is dy * mask.
+    One ElementwiseKernel, one thread per element, both outputs in one pass. p < 1.
+    """
+    dt = np.dtype(x.dtype).type
+    kernel = _elementwise("dropout_residual", x.dtype)
+    return kernel(x, f, u, dt(p), dt(1.0 / (1.0 - p)))
+
+
+# ---- cross-entropy chunk -----------------------------------------------------------------------
+def smoothed_ce_chunk(z, t, valid, c_t, c_o, want_grad, z_sum=None):
+    """Per-row label-smoothed cross-entropy of one chunk of logits, as the loop body of
+    linear_cross_entropy.py.
+
+    z: C-contiguous logits (n, V), float16/32/64, modified in place when want_grad;
+    t: integer targets (n,) (padding rows may hold any value: they use class 0, like ``tc``);
+    valid: bool (n,) or None (all valid); c_t, c_o: smoothing_weights(eps, V);
+    z_sum: optional (n,) row sums of z; None computes sum_v z_nv here, while the NumPy code
+    passes h_n . w_sum (the same value, rounded differently), which a caller may pass too.
+    Per row, with c_d = c_t - c_o:
+        m = max z,  s = sum exp(z - m),  lse = m + log s,
+        row_loss = (lse - c_o * z_sum - c_d * z[t]) * valid
+    Returns (row_loss, s), both (n,) in float32 for float16/float32 z, float64 for float64.
+    If want_grad, z is overwritten with e' = exp(z - m) and e'[r, t_r] -= c_d * s_r (in z's
+    dtype): exactly what linear_cross_entropy.py holds in ``z`` before ``scale``, so the
+    caller goes on with scale = valid / s, dh = scale * (e' W) - valid c_o w_sum, and so on.
+    If not, z is left unchanged. One block per row.
+    """
+    cp = _cupy()
+    if not z.flags.c_contiguous:
+        raise ValueError("smoothed_ce_chunk needs C-contiguous logits")
+    n, V = z.shape
+    acc = np.float64 if z.dtype == np.float64 else np.float32
+    t = cp.ascontiguousarray(t, dtype=np.int64)
+    valid = (cp.ones(n, dtype=bool) if valid is None
+             else cp.ascontiguousarray(valid, dtype=bool))
+    row_loss, s = cp.empty(n, dtype=acc), cp.empty(n, dtype=acc)
+    has_z_sum = z_sum is not None
+    z_sum = cp.ascontiguousarray(z_sum, dtype=acc) if has_z_sum else row_loss  # unread if None
+    if n and V:
+        _row_kernel("smoothed_ce_chunk", z.dtype)(
+            (n,), (_threads(V),),
+            (z, t, valid, z_sum, row_loss, s, np.int32(V), np.float64(c_o),
+             np.float64(c_t - c_o), np.int32(has_z_sum), np.int32(bool(want_grad))))
+    return row_loss, s
+
+
+# ---- Adam --------------------------------------------------------------------------------------
+def adam_update_(param, grad, m, v, lr, beta1, beta2, eps, c1, c2, weight_decay=0.0):
+    """One Adam step on one parameter array, in place (param, m, v), as optim/adam.py:
+
+        g' = g + wd * p,  m = b1 m + (1 - b1) g',  v = b2 v + (1 - b2) g'^2,
+        p -= (lr / c1) * m / (sqrt(v / c2) + eps)      with c1 = 1 - b1^t, c2 = 1 - b2^t.
+    Constants are rounded to param's dtype as adam.py does. One ElementwiseKernel, one thread
+    per element, reading p, g, m, v once and writing p, m, v once. Returns param.
+    """
+    dt = np.dtype(param.dtype).type
+    kernel = _elementwise("adam_update", param.dtype)
+    kernel(grad, dt(lr / c1), dt(beta1), dt(1 - beta1), dt(beta2), dt(1 - beta2),
+           dt(1.0 / c2), dt(eps), dt(weight_decay), param, m, v)
+    return param

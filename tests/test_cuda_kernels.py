@@ -1,0 +1,331 @@
+"""The fused CUDA kernels (engine/cuda_kernels.py) equal the NumPy code they replace.
+
+GPU parity tests (class TestParity, marked ``gpu``) run each kernel on CuPy arrays and the
+NumPy Function or formula on host copies of the same numbers: float64 to ~1e-12, float32 to
+~1e-5, float16 (row kernels) against the float32 result to float16's precision; awkward
+sizes (D, S, V not multiples of 32), fully masked rows, padding targets. Without a GPU they
+are skipped; what runs everywhere: the module imports without CuPy, and (where NVRTC loads,
+e.g. ``pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12`` on a machine without a GPU) every
+kernel's CUDA source compiles.
+"""
+import numpy as np
+import pytest
+
+from minitransformer import Tensor, backend
+from minitransformer.engine import cuda_kernels as ck
+from minitransformer.engine.attention import ScaledDotProductAttention, attention_bias
+from minitransformer.engine.cross_entropy import smoothing_weights
+from minitransformer.engine.layernorm import LayerNorm
+from minitransformer.engine.linear_cross_entropy import linear_cross_entropy
+from minitransformer.engine.ops import Dropout
+from minitransformer.optim.adam import Adam
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not backend.cupy_available(),
+                                           reason="CuPy with an NVIDIA GPU is not available")]
+RTOL = {np.float64: 1e-12, np.float32: 1e-5}
+ATOL = {np.float64: 1e-13, np.float32: 1e-6}
+FLOATS = [np.float64, np.float32]
+
+
+# ---- without a GPU -----------------------------------------------------------------------------
+@pytest.mark.skipif(backend.cupy_available(), reason="a GPU is present")
+def test_imports_and_reports_unavailable_without_gpu():
+    assert ck.available() is False
+    assert ck._kernels == {}  # nothing compiled at import
+    with pytest.raises(RuntimeError, match="CuPy"):
+        ck.layer_norm_forward(np.ones((2, 3)), np.ones(3), np.zeros(3))
+
+
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as exc:  # no CuPy, or no libnvrtc
+        pytest.skip(f"NVRTC is not available: {exc}")
+    return nvrtc
+
+
+def _compile(nvrtc, source, name_expressions, options):
+    """Compile with NVRTC (no GPU needed); fail with the compiler log."""
+    prog = nvrtc.createProgram(source, "check.cu", (), ())
+    for name in name_expressions:
+        nvrtc.addNameExpression(prog, name)
+    try:
+        nvrtc.compileProgram(prog, list(options))
+    except Exception as exc:
+        pytest.fail(f"{exc}\n{nvrtc.getProgramLog(prog)}")
+    log = nvrtc.getProgramLog(prog)
+    assert "warning" not in log.lower(), log
+    return [nvrtc.getLoweredName(prog, name) for name in name_expressions]
+
+
+@pytest.mark.parametrize("arch", ["compute_75", "compute_90"])
+def test_row_kernels_compile_with_nvrtc(arch):
+    """The RawModule source as it is compiled on a GPU: every template instantiation."""
+    nvrtc = _nvrtc()
+    names = ck.row_kernel_names()
+    lowered = _compile(nvrtc, ck.ROW_KERNELS_SOURCE, names,
+                       ck.ROW_KERNEL_OPTIONS + (f"-arch={arch}",))
+    assert len(names) == 12 and all(lowered)
+
+
+def elementwise_as_raw_kernel(in_params, out_params, operation, ctype):
+    """The shape of the kernel CuPy generates from an ElementwiseKernel spec, for T = ctype:
+    ``typedef ctype T;``, each input a const value, each output a reference, then the
+    operation. Every input is read from an array here; CuPy passes scalars by value, which
+    is the same to the operation."""
+    params = [p.split() for p in (in_params + ", " + out_params).split(",")]
+    n_in = len(in_params.split(","))
+    args, loads = [], []
+    for k, (typ, name) in enumerate(params):
+        assert typ == "T", f"only T-typed params are wrapped, got {typ} {name}"
+        if k < n_in:
+            args.append(f"const T* _in_{name}")
+            loads.append(f"const T {name} = _in_{name}[i];")
+        else:
+            args.append(f"T* _out_{name}")
+            loads.append(f"T& {name} = _out_{name}[i];")
+    return (f"typedef {ctype} T;\n"
+            f"extern \"C\" __global__ void check({', '.join(args)}, long long n) {{\n"
+            "    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n"
+            "    if (i >= n) return;\n    " + "\n    ".join(loads) + "\n"
+            + operation + "\n}\n")
+
+
+@pytest.mark.parametrize("name", sorted(ck.ELEMENTWISE_SPECS))
+@pytest.mark.parametrize("ctype", ["float", "double"])
+def test_elementwise_operations_compile_with_nvrtc(name, ctype):
+    """The ElementwiseKernel operations, wrapped as CuPy wraps them (see above)."""
+    nvrtc = _nvrtc()
+    in_params, out_params, operation, _ = ck.ELEMENTWISE_SPECS[name]
+    source = elementwise_as_raw_kernel(in_params, out_params, operation, ctype)
+    _compile(nvrtc, source, [], ("--std=c++14", "-arch=compute_75"))
+
+
+# ---- GPU parity --------------------------------------------------------------------------------
+def _rng():
+    return np.random.default_rng(0)
+
+
+@pytest.fixture
+def cp():
+    return backend.get_xp("cuda")
+
+
+class TestParity:
+    pytestmark = GPU
+
+    # LayerNorm
+    @pytest.mark.parametrize("dtype", FLOATS)
+    @pytest.mark.parametrize("D", [77, 512, 1000])
+    def test_layer_norm(self, cp, dtype, D, assert_close):
+        rng = _rng()
+        x = (rng.standard_normal((3, 5, D)) * 2 + 0.5).astype(dtype)
+        g, b = rng.standard_normal(D).astype(dtype), rng.standard_normal(D).astype(dtype)
+        dy = rng.standard_normal((3, 5, D)).astype(dtype)
+        ref = LayerNorm(eps=1e-5)
+        y_ref = ref.forward(x, g, b)
+        x_hat_ref, rstd_ref = ref.x_hat.copy(), ref.rstd.copy()
+        dx_ref, dg_ref, db_ref = ref.backward(dy)
+
+        y, x_hat, rstd = ck.layer_norm_forward(cp.asarray(x), cp.asarray(g), cp.asarray(b), 1e-5)
+        for got, want, what in ((y, y_ref, "y"), (x_hat, x_hat_ref, "x_hat"),
+                                (rstd, rstd_ref, "rstd")):
+            assert got.dtype == dtype
+            assert_close(got, want, RTOL[dtype], ATOL[dtype], f"{what} D={D} {dtype.__name__}")
+        dx, dg, db = ck.layer_norm_backward(cp.asarray(dy), x_hat, rstd, cp.asarray(g))
+        for got, want, what in ((dx, dx_ref, "dx"), (dg, dg_ref, "dgamma"), (db, db_ref, "dbeta")):
+            assert got.shape == want.shape and got.dtype == dtype
+            assert_close(got, want, RTOL[dtype] * 10, ATOL[dtype] * 10,
+                         f"{what} D={D} {dtype.__name__}")
+
+    @pytest.mark.parametrize("D", [77, 1000])
+    def test_layer_norm_float16(self, cp, D, assert_close):
+        rng = _rng()
+        x16 = (rng.standard_normal((4, D)) * 3).astype(np.float16)
+        g, b = rng.standard_normal(D).astype(np.float16), rng.standard_normal(D).astype(np.float16)
+        y, x_hat, rstd = ck.layer_norm_forward(cp.asarray(x16), cp.asarray(g), cp.asarray(b))
+        y32, xh32, r32 = ck.layer_norm_forward(*(cp.asarray(a, dtype=np.float32)
+                                                 for a in (x16, g, b)))
+        assert y.dtype == x_hat.dtype == rstd.dtype == np.float16
+        # same float16 inputs, statistics in float32: only the float16 rounding of the output
+        assert_close(y, y32, 1e-3, 1e-3, "y float16")
+        assert_close(x_hat, xh32, 1e-3, 1e-3, "x_hat float16")
+        assert_close(rstd, r32, 1e-3, 0, "rstd float16")
+
+    # masked softmax
+    @pytest.mark.parametrize("dtype", FLOATS)
+    @pytest.mark.parametrize("T, S, causal", [(7, 77, False), (9, 5, True), (33, 513, True)])
+    def test_masked_softmax_matches_attention(self, cp, dtype, T, S, causal, assert_close):
+        """The probabilities ScaledDotProductAttention computes, from its own scores and mask;
+        batch row 1 has every key masked (and causal T > S masks the first queries)."""
+        rng = _rng()
+        B, H, K = 3, 2, 8
+        q, k, v = (rng.standard_normal((B, H, n, K)).astype(dtype) for n in (T, S, S))
+        key_mask = rng.random((B, S)) > 0.3
+        key_mask[0, 0] = True
+        key_mask[1] = False
+        ref = ScaledDotProductAttention(key_mask=key_mask, causal=causal, dropout=0.0, rng=None,
+                                        training=False, store=None)
+        ref.forward(q, k, v)
+        qc, kc = cp.asarray(q), cp.asarray(k)
+        s = (qc * qc.dtype.type(ref.scale)) @ kc.swapaxes(-1, -2)  # (B, H, T, S)
+        bias = attention_bias(cp, s.dtype, cp.asarray(key_mask), causal, T, S)
+        p = ck.masked_softmax_(s, bias)
+        assert p is s
+        assert not bool(cp.isnan(p).any())
+        assert float(cp.abs(p[1]).max()) == 0.0  # every key of batch row 1 masked
+        assert_close(p, ref.p, RTOL[dtype] * 10, ATOL[dtype], f"p T={T} S={S} {dtype.__name__}")
+
+    @pytest.mark.parametrize("dtype", FLOATS)
+    def test_masked_softmax_bias_shapes(self, cp, dtype, assert_close):
+        rng = _rng()
+        s = rng.standard_normal((4, 6, 37)).astype(dtype) * 5
+        for bias in (None, np.where(rng.random((6, 37)) > 0.5, 0, -np.inf).astype(dtype),
+                     np.where(rng.random((4, 1, 37)) > 0.2, 0, -np.inf).astype(dtype)):
+            want = s if bias is None else s + bias
+            m = want.max(axis=-1, keepdims=True)
+            m[~np.isfinite(m)] = 0
+            e = np.exp(want - m)
+            z = e.sum(axis=-1, keepdims=True)
+            z[z == 0] = 1
+            got = ck.masked_softmax_(cp.array(s), None if bias is None else cp.asarray(bias))
+            assert_close(got, e / z, RTOL[dtype] * 10, ATOL[dtype], f"bias {np.shape(bias)}")
+        big = cp.asarray(rng.standard_normal((2, 3, 2, 2, 3, 6)).astype(dtype))  # 5 leading axes
+        bias = cp.zeros((1, 1, 1, 1, 1, 6), dtype)
+        bias[..., 0] = -cp.inf
+        want = cp.exp(big[..., 1:] - big[..., 1:].max(axis=-1, keepdims=True))
+        got = ck.masked_softmax_(big.copy(), bias)
+        assert_close(got[..., 1:], want / want.sum(axis=-1, keepdims=True), RTOL[dtype] * 10,
+                     ATOL[dtype], "5 leading axes")
+
+    def test_masked_softmax_float16(self, cp, assert_close):
+        rng = _rng()
+        s = (rng.standard_normal((2, 3, 5, 77)) * 4).astype(np.float16)
+        bias = np.where(rng.random((2, 1, 1, 77)) > 0.3, 0, -np.inf).astype(np.float16)
+        bias[1] = -np.inf
+        got = ck.masked_softmax_(cp.array(s), cp.asarray(bias))
+        want = ck.masked_softmax_(cp.array(s, dtype=np.float32), cp.asarray(bias, np.float32))
+        assert got.dtype == np.float16
+        assert_close(got, want, 1e-3, 1e-3, "p float16")
+        assert float(cp.abs(got[1]).max()) == 0.0
+
+    # dropout + residual
+    @pytest.mark.parametrize("dtype", FLOATS)
+    def test_dropout_residual(self, cp, dtype, assert_close):
+        rng = _rng()
+        x, f = (rng.standard_normal((4, 7, 77)).astype(dtype) for _ in range(2))
+        gen = backend.Generator(seed=3)  # the same uniforms Dropout draws (CPU generator)
+        ref = Dropout(p=0.3, rng=gen)
+        y_ref = x + ref.forward(f)
+        gen.seed(3)
+        u = gen.random(f.shape, dtype)
+        y, mask = ck.dropout_residual(cp.asarray(x), cp.asarray(f), 0.3, cp.asarray(u))
+        assert y.dtype == mask.dtype == dtype
+        assert_close(mask, ref.mask, 0, 0, "mask")
+        assert_close(y, y_ref, RTOL[dtype], ATOL[dtype], "y")
+
+    # label-smoothed cross-entropy, one chunk
+    @staticmethod
+    def ce_reference(z, t, valid, c_t, c_o, z_sum):
+        """The loop body of linear_cross_entropy.py on one chunk (z is changed in place)."""
+        r = np.arange(z.shape[0])
+        tc = np.where(valid, t, 0)
+        z_t = z[r, tc]
+        m = z.max(axis=1, keepdims=True)
+        z -= m
+        np.exp(z, out=z)
+        s = z.sum(axis=1)
+        lse = m[:, 0] + np.log(s)
+        loss = (lse - c_o * z_sum - (c_t - c_o) * z_t) * valid
+        z[r, tc] -= z.dtype.type(c_t - c_o) * s
+        return loss, s
+
+    @pytest.mark.parametrize("dtype", FLOATS)
+    @pytest.mark.parametrize("V", [37, 8000])
+    @pytest.mark.parametrize("smoothing", ["others", "uniform"])
+    @pytest.mark.parametrize("pass_z_sum", [False, True])
+    def test_smoothed_ce_chunk(self, cp, dtype, V, smoothing, pass_z_sum, assert_close):
+        rng = _rng()
+        n = 13
+        z = (rng.standard_normal((n, V)) * 3).astype(dtype)
+        t = rng.integers(0, V, n)
+        t[[2, 7]] = -1  # padding (any value): class 0 is read, the loss is zeroed
+        valid = t >= 0
+        c_t, c_o = smoothing_weights(0.1, V, smoothing)
+        z_sum = z.sum(axis=1)
+        want_z = z.copy()
+        want_loss, want_s = self.ce_reference(want_z, t, valid, c_t, c_o, z_sum)
+        zc = cp.array(z)  # a copy: the kernel works in place
+        loss, s = ck.smoothed_ce_chunk(zc, cp.asarray(t), cp.asarray(valid), c_t, c_o,
+                                       want_grad=False,
+                                       z_sum=cp.asarray(z_sum) if pass_z_sum else None)
+        assert loss.dtype == s.dtype == dtype
+        assert_close(zc, z, 0, 0, "z untouched without want_grad")
+        assert_close(loss, want_loss, RTOL[dtype] * 10, ATOL[dtype] * 10, "row_loss")
+        assert_close(s, want_s, RTOL[dtype] * 10, 0, "s")
+        assert float(cp.abs(loss[cp.asarray(~valid)]).max()) == 0.0
+        loss2, s2 = ck.smoothed_ce_chunk(zc, cp.asarray(t), cp.asarray(valid), c_t, c_o,
+                                         want_grad=True)
+        assert_close(loss2, want_loss, RTOL[dtype] * 10, ATOL[dtype] * 10, "row_loss (grad)")
+        assert_close(zc, want_z, RTOL[dtype] * 10, ATOL[dtype] * 10, "e' left in z")
+
+    def test_smoothed_ce_chunk_float16(self, cp, assert_close):
+        rng = _rng()
+        z = (rng.standard_normal((9, 1000)) * 3).astype(np.float16)
+        t = rng.integers(0, 1000, 9)
+        valid = np.ones(9, bool)
+        valid[4] = False
+        c_t, c_o = smoothing_weights(0.1, 1000)
+        z16, z32 = cp.array(z), cp.array(z, dtype=np.float32)
+        args = (cp.asarray(t), cp.asarray(valid), c_t, c_o, True)
+        loss16, s16 = ck.smoothed_ce_chunk(z16, *args)
+        loss32, s32 = ck.smoothed_ce_chunk(z32, *args)
+        assert z16.dtype == np.float16 and loss16.dtype == s16.dtype == np.float32
+        assert_close(loss16, loss32, 1e-5, 1e-5, "row_loss float16")  # same numbers, in float32
+        assert_close(s16, s32, 1e-5, 0, "s float16")
+        assert_close(z16, z32, 1e-3, 1e-3, "e' float16")
+
+    @pytest.mark.parametrize("dtype", FLOATS)
+    def test_smoothed_ce_chunk_in_linear_cross_entropy(self, cp, dtype, assert_close):
+        """Swapped into linear_cross_entropy's loop: the same loss and dh as the NumPy op."""
+        rng = _rng()
+        N, D, V, pad = 21, 16, 37, 0
+        h = rng.standard_normal((N, D)).astype(dtype)
+        w = (rng.standard_normal((V, D)) * 0.5).astype(dtype)
+        t = rng.integers(1, V, N)
+        t[[3, 4, 20]] = pad
+        ht = Tensor(h, requires_grad=True)
+        loss_ref, _ = linear_cross_entropy(ht, Tensor(w), t, label_smoothing=0.1, pad_idx=pad)
+        loss_ref.backward()
+        c_t, c_o = smoothing_weights(0.1, V)
+        hc, wc, valid = cp.asarray(h), cp.asarray(w), cp.asarray(t != pad)
+        w_sum = wc.sum(axis=0)
+        z = hc @ wc.T
+        row_loss, s = ck.smoothed_ce_chunk(z, cp.asarray(t), valid, c_t, c_o, True,
+                                           z_sum=hc @ w_sum)
+        scale = (valid / s).astype(dtype)[:, None]
+        dh = (z @ wc) * scale - dtype(c_o) * valid[:, None] * w_sum
+        assert_close(row_loss.sum(), loss_ref.data, RTOL[dtype] * 10, 0, "loss")
+        assert_close(dh, ht.grad, RTOL[dtype] * 100, ATOL[dtype] * 10, "dh")
+
+    # Adam
+    @pytest.mark.parametrize("dtype", FLOATS)
+    @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+    def test_adam_update(self, cp, dtype, weight_decay, assert_close):
+        rng = _rng()
+        p0 = rng.standard_normal((7, 77)).astype(dtype)
+        grads = [rng.standard_normal((7, 77)).astype(dtype) for _ in range(3)]
+        param = Tensor(p0.copy(), requires_grad=True)
+        opt = Adam([param], lr=1e-2, betas=(0.9, 0.98), eps=1e-9, weight_decay=weight_decay)
+        pc, m, v = cp.array(p0), cp.zeros(p0.shape, dtype), cp.zeros(p0.shape, dtype)
+        for step, g in enumerate(grads, start=1):
+            param.grad = g
+            opt.step()
+            c1, c2 = 1.0 - 0.9 ** step, 1.0 - 0.98 ** step
+            out = ck.adam_update_(pc, cp.asarray(g), m, v, 1e-2, 0.9, 0.98, 1e-9, c1, c2,
+                                  weight_decay)
+            assert out is pc
+            assert_close(m, opt.m[0], RTOL[dtype], ATOL[dtype], f"m, step {step}")
+            assert_close(v, opt.v[0], RTOL[dtype], ATOL[dtype], f"v, step {step}")
+            assert_close(pc, param.data, RTOL[dtype] * 10, ATOL[dtype], f"param, step {step}")
