@@ -5,6 +5,7 @@ in PyTorch, measured in one run.
     python bench/bench.py --config base-lite     # ~5 minutes with the default 3 + 8 steps
     python bench/bench.py --all                  # both; then bench/RESULTS.md
     python bench/bench.py --config tiny --device cuda    # CuPy against torch on CUDA (eager)
+    python bench/bench.py --all --device cuda --precision float16   # mixed precision, both sides
     python bench/bench.py --all --ranks 2        # also training as 2 ranks x 1 thread each
 
 How it measures (details in bench/RESULTS.md, "Method"):
@@ -142,7 +143,13 @@ class OursRunner(Runner):
             self.sync = lambda: None
             self.xp = np
         cfg = tr.TransformerConfig.from_dict(self.cfg)
-        self.model = tr.Transformer(cfg, seed=self.args.seed, device=self.device)
+        half = self.args.precision == "float16"  # as train.py --precision float16
+        self.model = tr.Transformer(cfg, seed=self.args.seed, device=self.device,
+                                    compute_dtype=np.float16 if half else None)
+        self.scaler = None
+        if half:
+            from minitransformer.optim import DynamicLossScaler
+            self.scaler = DynamicLossScaler()
         self.opt = Adam(self.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
         self.comm = None
         if self.mpi is not None:  # data-parallel ranks, exactly as train.py runs them
@@ -183,8 +190,16 @@ class OursRunner(Runner):
             self.opt.zero_grad()
             return loss_sum, n
         loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
-        loss.backward(self.xp.asarray(1.0 / n, dtype=loss.dtype))  # d(loss_sum / n)
         self.opt.lr = lr
+        if self.scaler is not None:  # as mt.train.Trainer.train_update in float16
+            loss.backward(self.scaler.scale)
+            finite = self.scaler.unscale_([p.grad for p in self.model.parameters()], 1.0 / n)
+            self.scaler.update(finite)
+            if finite:
+                self.opt.step()
+            self.opt.zero_grad()
+            return float(loss.data), n
+        loss.backward(self.xp.asarray(1.0 / n, dtype=loss.dtype))  # d(loss_sum / n)
         self.opt.step()
         self.opt.zero_grad()
         return float(loss.data), n
@@ -286,8 +301,14 @@ class TorchRunner(Runner):
         torch.set_num_threads(self.args.threads)
         torch.manual_seed(self.args.seed)
         self.device = torch.device(self.args.device)
+        self.scaler = None
         if self.device.type == "cuda":
             self.sync = torch.cuda.synchronize
+            # float32 products in TF32 exactly when ours use it (CUPY_TF32, set by
+            # minitransformer.backend unless the environment says otherwise)
+            torch.backends.cuda.matmul.allow_tf32 = os.environ.get("CUPY_TF32", "1") == "1"
+            if self.args.precision == "float16":  # autocast + GradScaler, PyTorch's AMP
+                self.scaler = torch.amp.GradScaler("cuda")
         else:
             self.sync = lambda: None
         self.model = ref.Transformer(self.cfg)
@@ -341,10 +362,18 @@ class TorchRunner(Runner):
             self.opt.zero_grad(set_to_none=True)
             return loss_all.item(), int(n_all.item())
         src, tgt_in, tgt_out = self._tensors(b)
-        loss, n = self.model.loss(src, tgt_in, tgt_out)
-        (loss / n).backward()
         for g in self.opt.param_groups:
             g["lr"] = lr
+        if self.scaler is not None:
+            with self.torch.autocast("cuda", dtype=self.torch.float16):
+                loss, n = self.model.loss(src, tgt_in, tgt_out)
+            self.scaler.scale(loss / n).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.opt.zero_grad(set_to_none=True)
+            return loss.item(), n
+        loss, n = self.model.loss(src, tgt_in, tgt_out)
+        (loss / n).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.item(), n
@@ -503,7 +532,7 @@ def run_config(name, args, machine, peak):
             "--steps", str(steps), "--warmup", str(warmup), "--decode-sentences", str(n_dec),
             "--decode-max-tokens", str(args.decode_max_tokens), "--beam", str(args.beam),
             "--max-len-a", str(args.max_len_a), "--threads", str(args.threads),
-            "--init", init]
+            "--precision", args.precision, "--init", init]
     cfg = common.model_config(name)
     print(f"\n== {name}: N={cfg['n_layers']} D={cfg['d_model']} H={cfg['n_heads']} "
           f"F={cfg['d_ff']} V={cfg['vocab_size']}, ~{spec['max_tokens']} + {spec['max_tokens']} "
@@ -515,7 +544,8 @@ def run_config(name, args, machine, peak):
                                         decode_max_tokens=args.decode_max_tokens,
                                         beam=args.beam, alpha=0.6, max_len_a=args.max_len_a,
                                         threads=args.threads, seed=args.seed,
-                                        max_tokens=spec["max_tokens"], ranks=args.ranks))
+                                        max_tokens=spec["max_tokens"], ranks=args.ranks,
+                                        precision=args.precision))
     workers = {}
     try:
         workers["ours"] = Worker("ours", argv)
@@ -712,6 +742,9 @@ def parse_args(argv=None):
                    help="benchmark config (repeatable); default tiny")
     p.add_argument("--all", action="store_true", help="every config: tiny and base-lite")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="float32", choices=["float32", "float16"],
+                   help="float16: mixed precision on both sides (ours as train.py --precision "
+                        "float16, torch with autocast and GradScaler); needs --device cuda")
     p.add_argument("--steps", type=int, help="timed training steps (default: 20 tiny, 8 base-lite)")
     p.add_argument("--warmup", type=int, help="untimed warm-up steps (default 3)")
     p.add_argument("--decode-sentences", type=int,
@@ -754,6 +787,9 @@ def main(argv=None):
     if args.torch and importlib.util.find_spec("torch") is None:
         sys.exit("PyTorch is needed for the comparison (bench-only, not a dependency): "
                  "pip install torch   -- or run with --no-torch to measure minitransformer only")
+    if args.precision == "float16" and args.device != "cuda":
+        sys.exit("--precision float16 needs --device cuda (on a CPU NumPy's float16 products "
+                 "are slow and accumulate in float16)")
     if args.device == "cuda":
         from minitransformer.backend import get_xp
         get_xp("cuda")  # a clear error now if CuPy or the GPU is missing
@@ -795,7 +831,8 @@ def main(argv=None):
                                f"({res['gemm']['ours']['gflops']:.0f})", device="cpu")
             for fw in res["train"]:
                 res["train"][fw]["mfu"] = res["train"][fw]["flops_per_s"] / (g * 1e9)
-        path = os.path.join(results_dir, f"run-{name}-{args.device}-t{args.threads}.json")
+        prec = "" if args.precision == "float32" else f"-{args.precision}"
+        path = os.path.join(results_dir, f"run-{name}-{args.device}{prec}-t{args.threads}.json")
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
         print_summary(res)

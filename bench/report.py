@@ -104,7 +104,9 @@ def _where(r):
     n = r["settings"]["threads"]
     load = [x[0] for x in (r["machine"].get("loadavg"), r.get("loadavg_end")) if x]
     load = f", load {' -> '.join(f'{x:.1f}' for x in load)}" if load else ""
-    return f"{r['device']}, {n} thread{'s' if n > 1 else ''}{load}"
+    prec = r["settings"].get("precision", "float32")
+    prec = "" if prec == "float32" else f", {prec} mixed precision"
+    return f"{r['device']}{prec}, {n} thread{'s' if n > 1 else ''}{load}"
 
 
 def _code_str(code):

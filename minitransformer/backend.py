@@ -8,6 +8,11 @@ import os
 
 import numpy as np
 
+# float32 products on the GPU use TF32 tensor cores (10-bit significand inputs, float32
+# sums; NVIDIA Ampere and later), as is usual for training. CuPy reads the switch when it is
+# imported; CUPY_TF32=0 in the environment keeps full float32 products.
+os.environ.setdefault("CUPY_TF32", "1")
+
 _cupy = None
 _cupy_error = None
 try:  # CuPy is optional: the [cuda12] / [cuda13] extras install it.

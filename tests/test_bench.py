@@ -71,3 +71,10 @@ def test_bench_runs_one_process_and_two_ranks(tmp_path):
     assert len(res["memory"]["ours_ranks"]["per_rank_mib"]) == 2
     text = report.read_text()
     assert "2 ranks x 1 thread" in text and "ranks summed" in text
+
+
+def test_bench_float16_without_a_gpu_says_what_it_needs(tmp_path):
+    with pytest.raises(SystemExit, match="--precision float16 needs --device cuda"):
+        bench.main(["--precision", "float16", "--no-torch", "--results",
+                    str(tmp_path / "RESULTS.md")])
+    assert not (tmp_path / "RESULTS.md").exists()

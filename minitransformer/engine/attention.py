@@ -14,10 +14,12 @@ Masking convention: the one mask value is -inf, added before the softmax; rows w
 all masked are defined to attend to nothing (output 0, gradient 0) instead of NaN.
 With float16 q, k, v (mixed precision) the products stay in float16 and the softmax and its
 Jacobian run in float32 (``backend.accumulation_dtype``); p is kept in float16.
+On CuPy arrays the masked softmax is one fused kernel (cuda_kernels.masked_softmax_).
 """
 import math
 
 from .. import backend
+from . import cuda_kernels
 from .tensor import Function
 
 
@@ -44,20 +46,24 @@ class ScaledDotProductAttention(Function):
         T, S, K = q.shape[-2], k.shape[-2], q.shape[-1]
         self.scale = q.dtype.type(1.0 / math.sqrt(K))
         s = (q * self.scale) @ k.swapaxes(-1, -2)  # (B, H, T, S)
-        s = s.astype(backend.accumulation_dtype(s.dtype), copy=False)
-        bias = attention_bias(xp, s.dtype, self.key_mask, self.causal, T, S)
-        if bias is not None:
-            s += bias
-        m = s.max(axis=-1, keepdims=True)
-        if bias is not None:
-            m[~xp.isfinite(m)] = 0  # fully masked row: keep exp(-inf - 0) = 0, no NaN
-        s -= m
-        xp.exp(s, out=s)
-        z = s.sum(axis=-1, keepdims=True)
-        if bias is not None:
-            z[z == 0] = 1
-        s /= z  # s is now p
-        s = s.astype(q.dtype, copy=False)
+        acc = backend.accumulation_dtype(s.dtype)
+        bias = attention_bias(xp, acc, self.key_mask, self.causal, T, S)
+        if cuda_kernels.use_for(xp):  # bias, max, exp, sum, divide: one CUDA block per row
+            s = cuda_kernels.masked_softmax_(s, bias)
+        else:
+            s = s.astype(acc, copy=False)
+            if bias is not None:
+                s += bias
+            m = s.max(axis=-1, keepdims=True)
+            if bias is not None:
+                m[~xp.isfinite(m)] = 0  # fully masked row: keep exp(-inf - 0) = 0, no NaN
+            s -= m
+            xp.exp(s, out=s)
+            z = s.sum(axis=-1, keepdims=True)
+            if bias is not None:
+                z[z == 0] = 1
+            s /= z  # s is now p
+            s = s.astype(q.dtype, copy=False)
         self.p, self.q, self.k, self.v = s, q, k, v
         if self.store is not None:  # attention maps for plotting, (B, H, T, S)
             self.store.append(backend.to_numpy(s))

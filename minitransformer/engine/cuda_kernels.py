@@ -22,6 +22,8 @@ Nothing here imports CuPy: it comes from ``backend._cupy``, and kernels are comp
 use and cached in ``_kernels``, so this module imports (and ``available()`` says False)
 where CuPy or a GPU is missing.
 """
+import os
+
 import numpy as np
 
 from .. import backend
@@ -274,6 +276,13 @@ def available():
     return backend.cupy_available()
 
 
+def use_for(xp):
+    """Whether the ops take the fused path for arrays of module ``xp``: on CuPy arrays,
+    unless MINITRANSFORMER_FUSED=0 (then the ops run the same NumPy-style code on CuPy, the
+    reference the kernels are tested against)."""
+    return xp is not np and os.environ.get("MINITRANSFORMER_FUSED", "1") != "0"
+
+
 def _cupy():
     cp = backend._cupy
     if cp is None or not backend.cupy_available():
@@ -337,12 +346,13 @@ def layer_norm_backward(dy, x_hat, rstd, gamma):
 
     dxh = dy * gamma,  dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat))
     (one block per row), dgamma = sum over rows of dy * x_hat, dbeta = sum over rows of dy
-    (CuPy reductions). dy, x_hat (..., D), rstd (..., 1), gamma (D,) -> dx (..., D),
-    dgamma (D,), dbeta (D,).
+    (CuPy reductions, float32 for float16). dy, x_hat (..., D), rstd (..., 1), gamma (D,)
+    -> dx (..., D) in dy's dtype, dgamma (D,), dbeta (D,) in gamma's dtype.
     """
     cp = _cupy()
     dy, x_hat = cp.ascontiguousarray(dy), cp.ascontiguousarray(x_hat, dtype=dy.dtype)
     rstd = cp.ascontiguousarray(rstd, dtype=dy.dtype)
+    param_dtype = gamma.dtype  # dgamma, dbeta in gamma's dtype (float32 master weights)
     gamma = cp.ascontiguousarray(gamma, dtype=dy.dtype)
     D = dy.shape[-1]
     dx = cp.empty_like(dy)
@@ -351,7 +361,9 @@ def layer_norm_backward(dy, x_hat, rstd, gamma):
         _row_kernel("layer_norm_backward", dy.dtype)(
             (rows,), (_threads(D),), (dy, x_hat, rstd, gamma, dx, np.int32(D)))
     dy2, xh2 = dy.reshape(-1, D), x_hat.reshape(-1, D)
-    return dx, (dy2 * xh2).sum(axis=0), dy2.sum(axis=0)
+    acc = backend.accumulation_dtype(dy.dtype)
+    return dx, (dy2 * xh2).sum(axis=0, dtype=acc).astype(param_dtype, copy=False), \
+        dy2.sum(axis=0, dtype=acc).astype(param_dtype, copy=False)
 
 
 # ---- masked softmax ----------------------------------------------------------------------------

@@ -10,14 +10,20 @@ Saves x_hat and rstd, nothing else.
 With float16 x (mixed precision) the statistics and both passes run in float32
 (``backend.accumulation_dtype``); y and dx come back in float16, and gamma, beta and their
 gradients keep their own dtype (float32 master weights).
+On CuPy arrays both passes run as fused kernels (cuda_kernels.py), the same formulas.
 """
 from .. import backend
+from . import cuda_kernels
 from .tensor import Function
 
 
 class LayerNorm(Function):
     def forward(self, x, gamma, beta):
         xp = backend.get_array_module(x)
+        self.gamma = gamma
+        if cuda_kernels.use_for(xp):  # the same formulas, one CUDA block per row
+            y, self.x_hat, self.rstd = cuda_kernels.layer_norm_forward(x, gamma, beta, self.eps)
+            return y
         self.in_dtype, acc = x.dtype, backend.accumulation_dtype(x.dtype)
         x = x.astype(acc, copy=False)
         mean = x.mean(axis=-1, keepdims=True)
@@ -25,12 +31,14 @@ class LayerNorm(Function):
         var = (xc * xc).mean(axis=-1, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + acc.type(self.eps))
         xc *= rstd  # xc is now x_hat
-        self.x_hat, self.rstd, self.gamma = xc, rstd, gamma
+        self.x_hat, self.rstd = xc, rstd
         y = xc * gamma.astype(acc, copy=False) + beta.astype(acc, copy=False)
         return y.astype(self.in_dtype, copy=False)
 
     def backward(self, dy):
         x_hat, rstd, gamma = self.x_hat, self.rstd, self.gamma
+        if cuda_kernels.use_for(backend.get_array_module(dy)):
+            return cuda_kernels.layer_norm_backward(dy, x_hat, rstd, gamma)
         D = x_hat.shape[-1]
         dy = dy.astype(x_hat.dtype, copy=False)
         dy2, xh2 = dy.reshape(-1, D), x_hat.reshape(-1, D)

@@ -14,9 +14,11 @@ upstream gradient. Under no_grad (validation) the gradient part is skipped.
 The result equals ``softmax_cross_entropy(linear(h, W^T), t)`` (tested in test_fused.py).
 With float16 h and W (mixed precision) the products run in float16 and everything between
 them (max, exp, sums, the loss) in float32; the loss comes back in float32, dh and dW in
-float16.
+float16. On CuPy arrays each chunk's max, exp, sums and e' are one fused kernel
+(cuda_kernels.smoothed_ce_chunk).
 """
 from .. import backend
+from . import cuda_kernels
 from .cross_entropy import smoothing_weights
 from .tensor import Function, Tensor, is_grad_enabled
 
@@ -45,10 +47,24 @@ class LinearCrossEntropy(Function):
         rows = max(1, CHUNK_ELEMENTS // V)
         for a in range(0, h2.shape[0], rows):
             hc, tcc, vc = h2[a:a + rows], tc[a:a + rows], valid[a:a + rows]
-            z = (hc @ w if dv else hc @ w.T).astype(acc, copy=False)  # (n, V)
+            z = hc @ w if dv else hc @ w.T  # (n, V)
             hc = hc.astype(acc, copy=False)
             r = xp.arange(z.shape[0])
-            z_t, z_sum = z[r, tcc], hc @ w_sum
+            z_sum = hc @ w_sum
+            if cuda_kernels.use_for(xp):  # the loss rows and e' below, one CUDA block per row
+                row_loss, s = cuda_kernels.smoothed_ce_chunk(z, tcc, vc, c_t, c_o,
+                                                             self.compute_grad, z_sum=z_sum)
+                total += row_loss.sum()
+                if self.compute_grad:
+                    scale = (vc / s).astype(acc)[:, None]
+                    self.dh[a:a + rows] = (z @ (w.T if dv else w)) * scale \
+                        - acc.type(c_o) * vc[:, None] * w_sum
+                    hs = (hc * scale).astype(h.dtype, copy=False)
+                    self.dw += (hs.T @ z) if dv else (z.T @ hs)
+                    h_sum += (hc * vc[:, None]).sum(axis=0)
+                continue
+            z = z.astype(acc, copy=False)
+            z_t = z[r, tcc]
             m = z.max(axis=1, keepdims=True)
             z -= m
             xp.exp(z, out=z)  # z is now e = exp(z - max)

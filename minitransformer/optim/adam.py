@@ -4,8 +4,13 @@ Update for each parameter array (vectorised, no loop over elements), step t = 1,
     m = beta1 m + (1 - beta1) g
     v = beta2 v + (1 - beta2) g^2
     theta -= lr * (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
+On CuPy arrays each parameter's update is one fused kernel (engine/cuda_kernels.py).
 """
 import math
+
+import numpy as np
+
+from ..engine import cuda_kernels
 
 
 def noam_lr(step, d_model, warmup, factor=1.0):
@@ -73,6 +78,11 @@ class Adam:
             if p.grad is None:
                 continue
             g = p.grad
+            if cuda_kernels.use_for(p.xp) and p.dtype in (np.float32, np.float64):
+                # the same update in one CUDA kernel: p, g, m, v read once, p, m, v written once
+                cuda_kernels.adam_update_(p.data, g, m, v, self.lr, b1, b2, self.eps, c1, c2,
+                                          self.weight_decay)
+                continue
             if self.weight_decay:
                 g = g + self.weight_decay * p.data
             dt = p.dtype.type
