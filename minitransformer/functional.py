@@ -6,4 +6,5 @@ from .engine.linear_cross_entropy import linear_cross_entropy  # noqa: F401
 from .engine.ops import (add, cast, div, dropout, embedding, exp, linear, log, matmul, mean,  # noqa: F401
                          merge_heads, mul, neg, power, relu, reshape, split_heads, sub, sum,
                          transpose)
+from .engine.residual import dropout_residual  # noqa: F401
 from .engine.softmax import log_softmax, softmax  # noqa: F401

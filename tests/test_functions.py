@@ -21,6 +21,7 @@ from minitransformer.engine.attention import ScaledDotProductAttention
 from minitransformer.engine.cross_entropy import SoftmaxCrossEntropy
 from minitransformer.engine.layernorm import LayerNorm
 from minitransformer.engine.linear_cross_entropy import LinearCrossEntropy
+from minitransformer.engine.residual import DropoutResidual
 from minitransformer.engine.softmax import LogSoftmax, Softmax
 
 DROPOUT_SEED = 7
@@ -301,6 +302,8 @@ CASES = [
     Case("cast", ops.Cast, _r(3, 4), lambda x: ops.cast(x, x.dtype), lambda x: x.copy()),
     # regularisation and lookup
     Case("dropout", ops.Dropout, _r(4, 6), lambda x: F.dropout(x, 0.4, _gen(x), training=True)),
+    Case("dropout_residual", DropoutResidual, _rr((4, 6), (4, 6)),
+         lambda x, f: F.dropout_residual(x, f, 0.4, _gen(x), training=True)),
     # no padding id among the ids here: the padding row's gradient is deliberately 0, not
     # the true derivative (test_autograd checks that row); repeated ids must accumulate
     Case("embedding", ops.Embedding,

@@ -161,6 +161,28 @@ def test_attention_dropout_equals_primitives(xp, arrays, assert_close, rate):
     assert_close(off, on_free, 0, 0, "attention with training=False")
 
 
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_dropout_residual_equals_add_of_dropout(xp, arrays, assert_close, rate):
+    """x + dropout(f) fused equals the two primitives, bit for bit (same draws, same sums);
+    off (x + f) when not training or at rate 0."""
+    x, f = arrays.randn(3, 5, 8), arrays.randn(3, 5, 8)
+    device = Tensor(x).device
+    fused = lambda x, f: F.dropout_residual(x, f, rate, mt.Generator(5, device=device))  # noqa
+    composed = lambda x, f: x + F.dropout(f, rate, mt.Generator(5, device=device))  # noqa
+    w = arrays.randn(3, 5, 8)
+    y1, g1 = run(fused, [x, f], w)
+    y2, g2 = run(composed, [x, f], w)
+    assert_close(y1, y2, 0, 0, f"dropout_residual {rate}: value")
+    for a, b in zip(g1, g2):
+        assert_close(a, b, 0, 0, f"dropout_residual {rate}: gradient")
+    assert 0 < float((arrays.numpy(y1) == arrays.numpy(x)).mean()) < 1  # some dropped
+    for off in (F.dropout_residual(Tensor(x), Tensor(f), rate, None, training=False),
+                F.dropout_residual(Tensor(x), Tensor(f), 0.0, None)):
+        assert_close(off, arrays.numpy(x) + arrays.numpy(f), 0, 0, "no dropout")
+    with pytest.raises(ValueError, match="dropout rate"):
+        F.dropout_residual(Tensor(x), Tensor(f), 1.0, mt.Generator(5))
+
+
 def test_attention_fully_masked_rows_are_zero_not_nan(xp, arrays, assert_close):
     B, H, T, S, K = 2, 2, 3, 4, 3
     key_mask = arrays.asarray(np.array([[True, True, False, True], [False] * 4]))

@@ -8,9 +8,11 @@ from .ops import (Add, Cast, Div, Dropout, Embedding, Exp, Linear, Log, MatMul, 
                   Mul, Neg, Power, ReLU, Reshape, SplitHeads, Sub, Sum, Transpose, add, cast, div,
                   dropout, embedding, exp, linear, log, matmul, mean, merge_heads, mul, neg, power,
                   relu, reshape, split_heads, sub, sum, transpose)
+from .residual import DropoutResidual, dropout_residual
 from .softmax import LogSoftmax, Softmax, log_softmax, softmax
 from .tensor import Function, Tensor, is_grad_enabled, no_grad
 
 FUNCTIONS = [Add, Sub, Mul, Div, Neg, Power, Exp, Log, ReLU, Sum, Mean, Reshape, Transpose,
              SplitHeads, MergeHeads, MatMul, Linear, Cast, Dropout, Embedding, Softmax,
-             LogSoftmax, LayerNorm, ScaledDotProductAttention, SoftmaxCrossEntropy, LinearCrossEntropy]
+             LogSoftmax, LayerNorm, DropoutResidual, ScaledDotProductAttention, SoftmaxCrossEntropy,
+             LinearCrossEntropy]

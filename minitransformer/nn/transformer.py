@@ -18,6 +18,7 @@ from .. import backend
 from ..engine import ops
 from ..engine.attention import scaled_dot_product_attention
 from ..engine.linear_cross_entropy import linear_cross_entropy
+from ..engine.residual import dropout_residual
 from ..engine.tensor import Tensor, no_grad
 from .module import Dropout, LayerNorm, Linear, Module, parameter
 
@@ -152,7 +153,10 @@ class FeedForward(Module):
 
 
 class SublayerConnection(Module):
-    """post: LayerNorm(x + Dropout(f(x)));  pre: x + Dropout(f(LayerNorm(x)))."""
+    """post: LayerNorm(x + Dropout(f(x)));  pre: x + Dropout(f(LayerNorm(x))).
+
+    The dropout and the residual add are one fused Function (engine/residual.py).
+    """
 
     def __init__(self, cfg, rng, dtype, device):
         self.norm = LayerNorm(cfg.d_model, cfg.ln_eps, dtype=dtype, device=device)
@@ -160,9 +164,10 @@ class SublayerConnection(Module):
         self.pre = cfg.norm == "pre"
 
     def forward(self, x, f):
+        d = self.drop
         if self.pre:
-            return x + self.drop(f(self.norm(x)))
-        return self.norm(x + self.drop(f(x)))
+            return dropout_residual(x, f(self.norm(x)), d.p, d.rng, d.training)
+        return self.norm(dropout_residual(x, f(x), d.p, d.rng, d.training))
 
 
 class EncoderLayer(Module):
