@@ -3,8 +3,8 @@ from .engine.attention import scaled_dot_product_attention  # noqa: F401
 from .engine.cross_entropy import softmax_cross_entropy  # noqa: F401
 from .engine.layernorm import layer_norm  # noqa: F401
 from .engine.linear_cross_entropy import linear_cross_entropy  # noqa: F401
-from .engine.ops import (add, cast, div, dropout, embedding, exp, linear, log, matmul, mean,  # noqa: F401
-                         merge_heads, mul, neg, power, relu, reshape, split_heads, sub, sum,
-                         transpose)
+from .engine.ops import (add, cast, div, dropout, embedding, exp, linear, log,  # noqa: F401
+                         matmul, mean, merge_heads, mul, neg, power, relu, reshape, split_heads,
+                         sub, sum, transpose)
 from .engine.residual import dropout_residual  # noqa: F401
 from .engine.softmax import log_softmax, softmax  # noqa: F401

@@ -78,6 +78,77 @@ def test_adam_skips_parameters_without_gradient():
     assert not (a.numpy() == 1).any()
 
 
+def _flat_case(seed=0):
+    rng = np.random.default_rng(seed)
+    init = [rng.standard_normal(shape).astype(np.float32) for shape in ((3, 4), (7,), (2, 2, 3))]
+    grads = [[rng.standard_normal(a.shape).astype(np.float32) for a in init] for _ in range(4)]
+    return init, grads
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 5])
+def test_flat_adam_equals_per_parameter_adam_bit_for_bit(monkeypatch, chunk):
+    """flat=True: parameters, gradients, m and v are views of four buffers and one update
+    runs over each (in chunks of FLAT_CHUNK elements); the result is the per-parameter one."""
+    import minitransformer.optim.adam as adam_mod
+    monkeypatch.setattr(adam_mod, "FLAT_CHUNK", chunk)
+    init, grads = _flat_case()
+    runs = []
+    for flat in (False, True):
+        params = [Tensor(a.copy(), requires_grad=True) for a in init]
+        opt = Adam(params, lr=1e-2, weight_decay=0.01, flat=flat)
+        assert (opt.flat is not None) == flat
+        for g in grads:
+            opt.zero_grad()
+            for p, gi in zip(params, g):
+                if flat:  # backward adds into the zeroed views of the flat buffer
+                    assert p.grad is not None and not p.grad.any()
+                    p.grad += gi
+                else:
+                    p.grad = gi.copy()
+            opt.step()
+        runs.append((params, opt))
+    (ref, opt_ref), (flat, opt_flat) = runs
+    for a, b, m1, m2 in zip(ref, flat, opt_ref.m, opt_flat.m):
+        assert np.array_equal(a.data, b.data) and np.array_equal(m1, m2)
+    assert np.shares_memory(flat[1].data, opt_flat.flat[0])  # the parameter is a view
+
+
+def test_flat_adam_backward_lands_in_the_buffer_and_replaced_arrays_fall_back():
+    init, grads = _flat_case(1)
+    params = [Tensor(a.copy(), requires_grad=True) for a in init]
+    opt = Adam(params, lr=1e-2, flat=True)
+    (params[0] * Tensor(grads[0][0])).sum().backward()  # d/dp0 = grads[0][0]
+    assert np.array_equal(opt.flat[1][:12], grads[0][0].ravel())
+    assert not opt.flat[1][12:].any()  # the other parameters got no gradient
+    # an array assigned over a view: step notices and updates parameter by parameter
+    ref = [Tensor(a.copy(), requires_grad=True) for a in init]
+    opt_ref = Adam(ref, lr=1e-2, flat=False)
+    for p, q, g in zip(params, ref, grads[1]):
+        p.grad, q.grad = g.copy(), g.copy()
+    params[2].data = params[2].data.copy()
+    opt.step()
+    opt_ref.step()
+    for a, b in zip(params, ref):
+        assert np.array_equal(a.data, b.data)
+
+
+def test_flat_adam_state_and_model_loading_keep_the_views():
+    init, grads = _flat_case(2)
+    params = [Tensor(a.copy(), requires_grad=True) for a in init]
+    opt = Adam(params, lr=1e-2, flat=True)
+    for p, g in zip(params, grads[0]):
+        p.grad += g
+    opt.step()
+    state = opt.state_dict()
+    params2 = [Tensor(np.zeros_like(a), requires_grad=True) for a in init]
+    opt2 = Adam(params2, lr=0.0, flat=True)
+    opt2.load_state_dict(state)
+    for m1, m2 in zip(opt.m, opt2.m):
+        assert np.array_equal(m1, m2)
+    assert np.array_equal(opt2.flat[2], opt.flat[2])  # loaded into the flat m buffer itself
+    assert opt2._flat_intact()
+
+
 def test_adam_state_dict_round_trip_continues_identically():
     rng = np.random.default_rng(0)
     init = [rng.standard_normal(shape).astype(np.float32) for shape in ((3, 2), (4,))]
@@ -178,3 +249,14 @@ def test_clip_grad_norm_leaves_small_gradients_and_measures():
     none = Tensor(np.zeros(2), requires_grad=True)
     assert clip_grad_norm([none], 1.0) == 0.0
     assert clip_grad_norm(ps + [none], 1.0) == pytest.approx(5.0, rel=1e-15)  # grad None ignored
+
+
+def test_loading_a_model_writes_into_the_flat_buffer():
+    from minitransformer.nn.module import Linear
+    model = Linear(3, 4, rng=np.random.default_rng(0))
+    other = Linear(3, 4, rng=np.random.default_rng(1))
+    opt = Adam(model.parameters(), flat=True)
+    model.load_state_dict(other.state_dict())
+    assert opt._flat_intact()  # the flat update still reaches the model's parameters
+    assert np.array_equal(model.weight.data, other.weight.data)
+    assert np.array_equal(opt.flat[0][:12], other.weight.data.ravel())

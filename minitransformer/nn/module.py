@@ -80,7 +80,9 @@ class Module:
             if tuple(a.shape) != p.shape:
                 raise ValueError(f"parameter {name}: checkpoint shape {tuple(a.shape)}, "
                                  f"model shape {p.shape}")
-            p.data = p.xp.array(a, dtype=p.dtype)  # a copy, not an alias of ``state``
+            # copied into the parameter's own array (which may be a view of an optimizer's
+            # flat buffer), so nothing aliases ``state``
+            p.data[...] = p.xp.asarray(a, dtype=p.dtype)
 
 
 def parameter(array):

@@ -51,50 +51,111 @@ def clip_grad_norm(params, max_norm):
     return total
 
 
+FLAT_CHUNK = 1 << 20  # elements per NumPy pass over the flat buffers (temporaries stay small)
+
+
+def _adam_update(xp, p, g, m, v, lr, b1, b2, eps, c1, c2, weight_decay):
+    """One Adam update of the array p (in place, with m and v) from its gradient g."""
+    if cuda_kernels.use_for(xp) and p.dtype in (np.float32, np.float64):
+        # the same update in one CUDA kernel: p, g, m, v read once, p, m, v written once
+        cuda_kernels.adam_update_(p, g, m, v, lr, b1, b2, eps, c1, c2, weight_decay)
+        return
+    if weight_decay:
+        g = g + weight_decay * p
+    dt = p.dtype.type
+    m *= dt(b1)
+    m += dt(1 - b1) * g
+    v *= dt(b2)
+    v += dt(1 - b2) * (g * g)
+    # theta -= lr / c1 * m / (sqrt(v / c2) + eps), in two temporaries
+    denom = v * dt(1.0 / c2)
+    xp.sqrt(denom, out=denom)
+    denom += dt(eps)
+    p -= dt(lr / c1) * m / denom
+
+
 class Adam:
     """Adam(params, lr, betas=(0.9, 0.98), eps=1e-9): the paper's values as defaults.
 
     ``lr`` is the step size for the next ``step()`` (set it from the schedule each update).
     State (``m``, ``v``, ``t``) is saved and restored through ``state_dict`` for exact resumes.
+
+    ``flat`` (default: on for CuPy parameters): every parameter, its gradient, m and v become
+    views of four flat buffers, so one step is one update over each buffer (one CUDA kernel
+    on a GPU) instead of one per parameter. ``zero_grad`` then zeroes the gradient buffer
+    and leaves each ``p.grad`` a view of it (backward adds into it), not None. When a
+    parameter's data or gradient has been replaced by another array since (a checkpoint
+    loaded by assignment, gradients from the all-reduce buffer), ``step`` updates parameter
+    by parameter instead, with the same formula.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0,
+                 flat=None):
         self.params = list(params)
         self.lr, self.beta1, self.beta2, self.eps = lr, betas[0], betas[1], eps
         self.weight_decay = weight_decay
         self.t = 0
-        self.m = [p.xp.zeros_like(p.data) for p in self.params]
-        self.v = [p.xp.zeros_like(p.data) for p in self.params]
+        if flat is None:
+            flat = any(cuda_kernels.use_for(p.xp) for p in self.params)
+        kinds = {(p.dtype, p.device) for p in self.params}
+        self.flat = None
+        if flat and len(kinds) == 1:
+            self._pack()
+        else:
+            self.m = [p.xp.zeros_like(p.data) for p in self.params]
+            self.v = [p.xp.zeros_like(p.data) for p in self.params]
+
+    def _pack(self):
+        """Copy the parameters into one buffer and make each ``p.data`` a view of it;
+        likewise zeroed buffers for the gradients, m and v."""
+        xp, dtype = self.params[0].xp, self.params[0].dtype
+        n = sum(p.size for p in self.params)
+        data, grad, m, v = xp.empty(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype), \
+            xp.zeros(n, dtype)
+        self.m, self.v, self._data, self._grad = [], [], [], []
+        offset = 0
+        for p in self.params:
+            part = slice(offset, offset + p.size)
+            offset += p.size
+            data[part] = p.data.ravel()
+            p.data = data[part].reshape(p.shape)
+            self._data.append(p.data)
+            self._grad.append(grad[part].reshape(p.shape))
+            self.m.append(m[part].reshape(p.shape))
+            self.v.append(v[part].reshape(p.shape))
+        self.flat = (data, grad, m, v)
+        self.zero_grad()
 
     def zero_grad(self):
-        for p in self.params:
-            p.grad = None
+        if self.flat is None:
+            for p in self.params:
+                p.grad = None
+            return
+        self.flat[1].fill(0)
+        for p, g in zip(self.params, self._grad):
+            p.grad = g
+
+    def _flat_intact(self):
+        return self.flat is not None and all(
+            p.data is d and p.grad is g for p, d, g in zip(self.params, self._data, self._grad))
 
     def step(self):
         self.t += 1
         b1, b2 = self.beta1, self.beta2
         c1, c2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
+        hyper = (self.lr, b1, b2, self.eps, c1, c2, self.weight_decay)
+        if self._flat_intact():
+            data, grad, m, v = self.flat
+            xp = self.params[0].xp
+            chunk = data.size if cuda_kernels.use_for(xp) else FLAT_CHUNK
+            for a in range(0, data.size, chunk):
+                part = slice(a, a + chunk)
+                _adam_update(xp, data[part], grad[part], m[part], v[part], *hyper)
+            return
         for p, m, v in zip(self.params, self.m, self.v):
             if p.grad is None:
                 continue
-            g = p.grad
-            if cuda_kernels.use_for(p.xp) and p.dtype in (np.float32, np.float64):
-                # the same update in one CUDA kernel: p, g, m, v read once, p, m, v written once
-                cuda_kernels.adam_update_(p.data, g, m, v, self.lr, b1, b2, self.eps, c1, c2,
-                                          self.weight_decay)
-                continue
-            if self.weight_decay:
-                g = g + self.weight_decay * p.data
-            dt = p.dtype.type
-            m *= dt(b1)
-            m += dt(1 - b1) * g
-            v *= dt(b2)
-            v += dt(1 - b2) * (g * g)
-            # theta -= lr / c1 * m / (sqrt(v / c2) + eps), in two temporaries
-            denom = v * dt(1.0 / c2)
-            p.xp.sqrt(denom, out=denom)
-            denom += dt(self.eps)
-            p.data -= dt(self.lr / c1) * m / denom
+            _adam_update(p.xp, p.data, p.grad, m, v, *hyper)
 
     def state_dict(self):
         from ..backend import to_numpy
@@ -111,4 +172,4 @@ class Adam:
                 if tuple(a.shape) != p.shape:
                     raise ValueError(f"optimizer state {key}.{i} has shape {a.shape}, parameter "
                                      f"has {p.shape}: the checkpoint belongs to another model")
-                buf[i] = p.xp.array(a, dtype=p.dtype)  # a copy, not an alias of ``state``
+                buf[i][...] = p.xp.asarray(a, dtype=p.dtype)  # in place: a view of flat m, v
