@@ -790,6 +790,8 @@ def main(argv=None):
     if args.precision == "float16" and args.device != "cuda":
         sys.exit("--precision float16 needs --device cuda (on a CPU NumPy's float16 products "
                  "are slow and accumulate in float16)")
+    if args.precision == "float16" and args.ranks > 1:
+        sys.exit("--precision float16 is measured in one process: drop --ranks")
     if args.device == "cuda":
         from minitransformer.backend import get_xp
         get_xp("cuda")  # a clear error now if CuPy or the GPU is missing

@@ -326,8 +326,9 @@ class Transformer(Module):
         cfg = self.cfg
         weight, layout = (self.embedding, "vd") if cfg.share_embeddings else \
             (self.out_proj.weight, "dv")
-        return linear_cross_entropy(h, self._in_compute_dtype(weight), self.ids(tgt_out), cfg.label_smoothing,
-                                    pad_idx=cfg.pad_id, smoothing=cfg.smoothing, layout=layout)
+        return linear_cross_entropy(h, self._in_compute_dtype(weight), self.ids(tgt_out),
+                                    cfg.label_smoothing, pad_idx=cfg.pad_id,
+                                    smoothing=cfg.smoothing, layout=layout)
 
     def new_cache(self):
         return [{} for _ in self.decoder]
