@@ -16,6 +16,8 @@ from minitransformer.engine import cuda_kernels
 from minitransformer.nn.transformer import Transformer, TransformerConfig
 from minitransformer.optim import Adam
 
+from test_mixed_precision import _batch  # a padded batch for a vocabulary of 60
+
 
 # ---- NumPy stand-ins with the kernels' contracts ---------------------------------------------
 def layer_norm_forward(x, gamma, beta, eps=1e-5):
@@ -86,15 +88,6 @@ def adam_update_(param, grad, m, v, lr, beta1, beta2, eps, c1, c2, weight_decay=
 STAND_INS = dict(layer_norm_forward=layer_norm_forward, layer_norm_backward=layer_norm_backward,
                  masked_softmax_=masked_softmax_, dropout_residual=dropout_residual,
                  smoothed_ce_chunk=smoothed_ce_chunk, adam_update_=adam_update_)
-
-
-def _batch():
-    rng = np.random.default_rng(0)
-    src, tgt = rng.integers(4, 60, (4, 9)), rng.integers(4, 60, (4, 7))
-    src[1, 6:], tgt[2, 5:] = 0, 0
-    tgt_in = np.concatenate([np.full((4, 1), 2), tgt[:, :-1]], 1)
-    tgt_in[2, 6:] = 0
-    return src, tgt_in, tgt
 
 
 def _train_step(dtype, compute_dtype=None):
