@@ -4,7 +4,7 @@ in PyTorch, measured in one run.
     python bench/bench.py --config tiny          # ~2-3 minutes on 2 cores
     python bench/bench.py --config base-lite     # ~5 minutes with the default 3 + 8 steps
     python bench/bench.py --all                  # both; then bench/RESULTS.md
-    python bench/bench.py --config tiny --device cuda    # CuPy against torch on CUDA (eager)
+    python bench/bench.py --all --device cuda     # CuPy against torch on CUDA (eager), + base
     python bench/bench.py --all --device cuda --precision float16   # mixed precision, both sides
     python bench/bench.py --all --ranks 2        # also training as 2 ranks x 1 thread each
 
@@ -740,7 +740,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", choices=sorted(common.CONFIGS), action="append",
                    help="benchmark config (repeatable); default tiny")
-    p.add_argument("--all", action="store_true", help="every config: tiny and base-lite")
+    p.add_argument("--all", action="store_true",
+                   help="every config: tiny and base-lite, and on --device cuda also base (the "
+                        "paper's base model, V=37000)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="float32", choices=["float32", "float16"],
                    help="float16: mixed precision on both sides (ours as train.py --precision "
@@ -777,13 +779,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def selected_configs(args):
+    """The configs to run: --config's, or with --all every one (GPU-only ones on cuda)."""
+    if args.all:
+        return [c for c in common.CONFIGS if args.device == "cuda" or c not in common.GPU_ONLY]
+    return args.config or ["tiny"]
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         args.config = args.config[0]
         return worker_main(args)
-    configs = sorted(common.CONFIGS, key=lambda c: c != "tiny") if args.all else \
-        (args.config or ["tiny"])
+    configs = selected_configs(args)
     if args.torch and importlib.util.find_spec("torch") is None:
         sys.exit("PyTorch is needed for the comparison (bench-only, not a dependency): "
                  "pip install torch   -- or run with --no-torch to measure minitransformer only")

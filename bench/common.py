@@ -21,13 +21,18 @@ import numpy as np
 from minitransformer.mt.data import split_batch
 from minitransformer.mt.translation import pad_batch as pad  # (B, L) int64, padded
 
-# The two benchmark models. Both use the paper's recipe: post-norm, shared embeddings scaled by
+# The benchmark models. All use the paper's recipe: post-norm, shared embeddings scaled by
 # sqrt(D), sinusoidal positions, dropout 0.1, label smoothing 0.1 (eps/(V-1) on non-targets).
+# "base" is the paper's base model with its 37000-token joint vocabulary (Table 3, En-De), for
+# GPUs: --all runs it only with --device cuda.
+GPU_ONLY = {"base"}
 CONFIGS = {
     "tiny": dict(model=dict(n_layers=2, d_model=128, n_heads=4, d_ff=512, vocab_size=8000),
                  max_tokens=2000, warmup=3, steps=20, decode_sentences=128),
     "base-lite": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_ff=2048, vocab_size=8000),
                       max_tokens=4000, warmup=3, steps=8, decode_sentences=64),
+    "base": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_ff=2048, vocab_size=37000),
+                 max_tokens=12000, warmup=5, steps=20, decode_sentences=256),
 }
 MODEL_COMMON = dict(dropout=0.1, label_smoothing=0.1, smoothing="others", norm="post",
                     positions="sinusoidal", sinusoid_layout="interleaved", share_embeddings=True,

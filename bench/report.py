@@ -22,7 +22,7 @@ def _load(results):
     for path in sorted(glob.glob(os.path.join(results, "run-*.json"))):
         with open(path) as f:
             runs.append(json.load(f))
-    order = {"tiny": 0, "base-lite": 1}
+    order = {"tiny": 0, "base-lite": 1, "base": 2}
     runs.sort(key=lambda r: (r["device"], -r["settings"]["threads"],
                              order.get(r["config"], 9)))
     scaling = []

@@ -78,3 +78,11 @@ def test_bench_float16_without_a_gpu_says_what_it_needs(tmp_path):
         bench.main(["--precision", "float16", "--no-torch", "--results",
                     str(tmp_path / "RESULTS.md")])
     assert not (tmp_path / "RESULTS.md").exists()
+
+
+def test_all_adds_the_papers_base_model_on_a_gpu_only():
+    assert bench.selected_configs(bench.parse_args(["--all"])) == ["tiny", "base-lite"]
+    assert bench.selected_configs(bench.parse_args(["--all", "--device", "cuda"])) == \
+        ["tiny", "base-lite", "base"]
+    assert common.model_config("base")["vocab_size"] == 37000
+    assert bench.selected_configs(bench.parse_args([])) == ["tiny"]
