@@ -303,8 +303,11 @@ def _row_kernel(name, dtype):
     return module.get_function(f"{name}<{STORAGE_TYPES[np.dtype(dtype)]}>")
 
 
+ELEMENTWISE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # dropout_residual, Adam
+
+
 def _elementwise(name, dtype):
-    if np.dtype(dtype) not in (np.float32, np.float64):
+    if np.dtype(dtype) not in ELEMENTWISE_DTYPES:
         raise TypeError(f"{name}: dtype {np.dtype(dtype)} not supported (float32, float64)")
     kernel = _kernels.get(name)
     if kernel is None:

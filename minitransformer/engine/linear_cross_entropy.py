@@ -49,35 +49,29 @@ class LinearCrossEntropy(Function):
             hc, tcc, vc = h2[a:a + rows], tc[a:a + rows], valid[a:a + rows]
             z = hc @ w if dv else hc @ w.T  # (n, V)
             hc = hc.astype(acc, copy=False)
-            r = xp.arange(z.shape[0])
             z_sum = hc @ w_sum
             if cuda_kernels.use_for(xp):  # the loss rows and e' below, one CUDA block per row
                 row_loss, s = cuda_kernels.smoothed_ce_chunk(z, tcc, vc, c_t, c_o,
                                                              self.compute_grad, z_sum=z_sum)
-                total += row_loss.sum()
+            else:
+                z = z.astype(acc, copy=False)
+                r = xp.arange(z.shape[0])
+                z_t = z[r, tcc]
+                m = z.max(axis=1, keepdims=True)
+                z -= m
+                xp.exp(z, out=z)  # z is now e = exp(z - max)
+                s = z.sum(axis=1)
+                lse = m[:, 0] + xp.log(s)
+                row_loss = (lse - c_o * z_sum - (c_t - c_o) * z_t) * vc
                 if self.compute_grad:
-                    scale = (vc / s).astype(acc)[:, None]
-                    self.dh[a:a + rows] = (z @ (w.T if dv else w)) * scale \
-                        - acc.type(c_o) * vc[:, None] * w_sum
-                    hs = (hc * scale).astype(h.dtype, copy=False)
-                    self.dw += (hs.T @ z) if dv else (z.T @ hs)
-                    h_sum += (hc * vc[:, None]).sum(axis=0)
-                continue
-            z = z.astype(acc, copy=False)
-            z_t = z[r, tcc]
-            m = z.max(axis=1, keepdims=True)
-            z -= m
-            xp.exp(z, out=z)  # z is now e = exp(z - max)
-            s = z.sum(axis=1)
-            lse = m[:, 0] + xp.log(s)
-            total += ((lse - c_o * z_sum - (c_t - c_o) * z_t) * vc).sum()
+                    z[r, tcc] -= acc.type(c_t - c_o) * s  # z is now e'
+            total += row_loss.sum()
             if self.compute_grad:
                 # dz = [valid] * (e / s - c_o - (c_t - c_o) * onehot(t))
                 #    = [valid] / s * e' - [valid] * c_o,  e' = e - (c_t - c_o) * s * onehot(t),
                 # so the row scale [valid] / s and the constant c_o go into the (n, D) side
                 # of the products: dh = scale * (e' W) - [valid] c_o w_sum,
                 # dW = e'^T (scale * h) - c_o * (sum of valid h_n) for every row v.
-                z[r, tcc] -= acc.type(c_t - c_o) * s
                 scale = (vc / s).astype(acc)[:, None]  # (n, 1); 0 on padding rows
                 e = z.astype(h.dtype, copy=False)  # the products in h's dtype
                 self.dh[a:a + rows] = (e @ (w.T if dv else w)) * scale \

@@ -323,11 +323,19 @@ def linear(x, weight, bias=None):
 
 def dropout(x, p, rng, training=True):
     """Inverted dropout with rate ``p``, masks drawn from ``rng`` (a backend.Generator)."""
-    if not training or p == 0.0:
+    if not dropout_active(p, training):
         return x
+    return Dropout.apply(x, p=p, rng=rng)
+
+
+def dropout_active(p, training):
+    """Whether dropout at rate ``p`` changes anything (training and p > 0); a rate outside
+    [0, 1) is an error."""
+    if not training or p == 0.0:
+        return False
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout rate must be in [0, 1), got {p}")
-    return Dropout.apply(x, p=p, rng=rng)
+    return True
 
 
 def embedding(ids, weight, padding_idx=None):

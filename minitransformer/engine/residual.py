@@ -11,6 +11,7 @@ or float64 the mask and the sum are one fused kernel (cuda_kernels.dropout_resid
 """
 from .. import backend
 from . import cuda_kernels
+from .ops import dropout_active
 from .tensor import Function
 
 
@@ -18,8 +19,8 @@ class DropoutResidual(Function):
     def forward(self, x, f):
         xp = backend.get_array_module(f)
         u = self.rng.random(f.shape, f.dtype)
-        if cuda_kernels.use_for(xp) and f.dtype == x.dtype and f.dtype.kind == "f" \
-                and f.dtype.itemsize >= 4:
+        if cuda_kernels.use_for(xp) and x.dtype == f.dtype \
+                and f.dtype in cuda_kernels.ELEMENTWISE_DTYPES:
             y, self.mask = cuda_kernels.dropout_residual(x, f, self.p, u)
             return y
         self.mask = (u >= self.p) * f.dtype.type(1.0 / (1.0 - self.p))
@@ -34,8 +35,6 @@ class DropoutResidual(Function):
 def dropout_residual(x, f, p, rng, training=True):
     """x + Dropout(f) with rate ``p`` and masks from ``rng`` (a backend.Generator); x + f
     when not training or p = 0."""
-    if not training or p == 0.0:
+    if not dropout_active(p, training):
         return x + f
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {p}")
     return DropoutResidual.apply(x, f, p=p, rng=rng)

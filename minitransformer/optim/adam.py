@@ -4,11 +4,10 @@ Update for each parameter array (vectorised, no loop over elements), step t = 1,
     m = beta1 m + (1 - beta1) g
     v = beta2 v + (1 - beta2) g^2
     theta -= lr * (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
-On CuPy arrays each parameter's update is one fused kernel (engine/cuda_kernels.py).
+On CuPy arrays the update is one fused kernel per parameter, or one over all of them with
+``flat`` buffers (engine/cuda_kernels.py).
 """
 import math
-
-import numpy as np
 
 from ..engine import cuda_kernels
 
@@ -56,7 +55,7 @@ FLAT_CHUNK = 1 << 20  # elements per NumPy pass over the flat buffers (temporari
 
 def _adam_update(xp, p, g, m, v, lr, b1, b2, eps, c1, c2, weight_decay):
     """One Adam update of the array p (in place, with m and v) from its gradient g."""
-    if cuda_kernels.use_for(xp) and p.dtype in (np.float32, np.float64):
+    if cuda_kernels.use_for(xp) and p.dtype in cuda_kernels.ELEMENTWISE_DTYPES:
         # the same update in one CUDA kernel: p, g, m, v read once, p, m, v written once
         cuda_kernels.adam_update_(p, g, m, v, lr, b1, b2, eps, c1, c2, weight_decay)
         return
