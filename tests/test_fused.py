@@ -314,6 +314,34 @@ def test_cross_entropy_rejects_bad_arguments(xp, arrays):
         F.softmax_cross_entropy(z, arrays.asarray(np.ones((2, 3), int)), 0.1, smoothing="bogus")
 
 
+class _DeviceIds(np.ndarray):
+    """Ids on a stand-in device: reading anything back from them fails the test."""
+    def _read(self, *a, **k):
+        raise AssertionError("the targets were read back from the device")
+    max = min = sum = __int__ = __bool__ = _read
+
+
+class _Device:
+    asarray = staticmethod(lambda a: np.asarray(a).view(_DeviceIds))
+
+
+def test_host_targets_are_checked_and_counted_on_the_host():
+    # a NumPy batch for a model on a GPU: the range check and the token count must not read
+    # the device (each read would make the step wait for its forward pass)
+    from minitransformer.engine.cross_entropy import checked_targets
+    t = np.array([[5, 2, 0], [7, 0, 0]])
+    ids, n = checked_targets(t, (2, 3), 8, 0, _Device, "logits")
+    assert isinstance(ids, _DeviceIds) and (np.asarray(ids) == t).all() and n == 3
+    for bad in ([[5, 8, 0], [7, 0, 0]], [[5, -1, 0], [7, 0, 0]]):
+        with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 8\)"):
+            checked_targets(np.array(bad), (2, 3), 8, 0, _Device, "logits")
+    with pytest.raises(ValueError, match=r"targets shape \(2, 3\) does not match logits \(3, 2\)"):
+        checked_targets(t, (3, 2), 8, 0, _Device, "logits")
+    # padding may hold any id; without a padding index every target counts
+    assert checked_targets(np.array([[9, 0]]), (1, 2), 8, 9, _Device, "logits")[1] == 1
+    assert checked_targets(np.array([[1, 0]]), (1, 2), 8, None, _Device, "logits")[1] == 2
+
+
 # ---- LinearCrossEntropy (pre-softmax projection + loss, chunked) --------------------------------
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("chunk", [None, 7])  # 7 logits per chunk: one row at a time

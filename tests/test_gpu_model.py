@@ -69,3 +69,18 @@ def test_train_py_float16_on_the_gpu(tmp_path, monkeypatch):
     losses = [json.loads(line)["loss"] for line in open(os.path.join(run, "metrics.jsonl"))
               if '"loss"' in line]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_host_and_device_targets_give_the_same_loss():
+    # train.py hands the model NumPy batches: the targets are checked on the host, then copied
+    cfg = TransformerConfig(vocab_size=60, d_model=32, n_heads=4, d_ff=64, n_layers=2,
+                            dropout=0.0)
+    model = Transformer(cfg, seed=0, device=DEVICE)
+    src, tgt_in, tgt_out = _batch()
+    xp = model.xp()
+    loss_host, n_host = model.loss(src, tgt_in, tgt_out)
+    loss_dev, n_dev = model.loss(xp.asarray(src), xp.asarray(tgt_in), xp.asarray(tgt_out))
+    assert n_host == n_dev == int((np.asarray(tgt_out) != cfg.pad_id).sum())
+    assert float(loss_host.data) == float(loss_dev.data)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.loss(src, tgt_in, np.where(np.asarray(tgt_out) > 0, 60, 0))

@@ -25,6 +25,25 @@ def smoothing_weights(eps, V, smoothing="others"):
     raise ValueError(f"smoothing must be 'others' or 'uniform', got {smoothing!r}")
 
 
+def checked_targets(targets, shape, V, pad_idx, xp, what):
+    """Target ids checked and counted where they are, then placed with the model's arrays:
+    -> (ids on ``xp``, number of non-padding targets).
+
+    A NumPy batch is checked on the host, so a GPU step does not stop here to wait for
+    its forward pass (reading a device array's max, min or count would).
+    """
+    t = targets.data if isinstance(targets, Tensor) else targets
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"targets shape {t.shape} does not match {what} {tuple(shape)}")
+    tp = backend.get_array_module(t)
+    valid = t != pad_idx if pad_idx is not None else tp.ones(t.shape, bool)
+    if t.size:
+        ids = tp.where(valid, t, 0)
+        if int(ids.max()) >= V or int(ids.min()) < 0:
+            raise ValueError(f"a target id is outside the vocabulary [0, {V})")
+    return xp.asarray(t), int(valid.sum())
+
+
 class SoftmaxCrossEntropy(Function):
     def forward(self, z, t):
         xp = backend.get_array_module(z)
@@ -61,15 +80,9 @@ def softmax_cross_entropy(logits, targets, label_smoothing=0.0, pad_idx=None,
     logits: Tensor (..., V); targets: integer array (...); returns (loss_sum, n_tokens)
     where loss_sum is a scalar Tensor and n_tokens the number of non-padding targets (int).
     """
-    t = targets.data if isinstance(targets, Tensor) else targets
-    xp = backend.get_array_module(t)
-    V = logits.shape[-1]
-    if t.shape != logits.shape[:-1]:
-        raise ValueError(f"targets shape {t.shape} does not match logits {logits.shape[:-1]}")
-    valid = t != pad_idx if pad_idx is not None else xp.ones(t.shape, bool)
-    if t.size and (int(xp.where(valid, t, 0).max()) >= V or int(xp.where(valid, t, 0).min()) < 0):
-        raise ValueError(f"a target id is outside the vocabulary [0, {V})")
+    t, n = checked_targets(targets, logits.shape[:-1], logits.shape[-1], pad_idx, logits.xp,
+                           "logits")
     loss = SoftmaxCrossEntropy.apply(logits, Tensor(t), eps=float(label_smoothing),
                                      pad_idx=pad_idx, smoothing=smoothing,
                                      shape_in=logits.shape)
-    return loss, int(valid.sum())
+    return loss, n

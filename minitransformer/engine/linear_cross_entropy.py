@@ -19,7 +19,7 @@ float16. On CuPy arrays each chunk's max, exp, sums and e' are one fused kernel
 """
 from .. import backend
 from . import cuda_kernels
-from .cross_entropy import smoothing_weights
+from .cross_entropy import checked_targets, smoothing_weights
 from .tensor import Function, Tensor, is_grad_enabled
 
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MiB in float32)
@@ -97,16 +97,10 @@ def linear_cross_entropy(h, weight, targets, label_smoothing=0.0, pad_idx=None,
                          smoothing="others", layout="vd"):
     """Summed label-smoothed cross-entropy of the logits h W^T (layout 'vd', W (V, D)) or
     h W (layout 'dv', W (D, V)), without materialising them. -> (loss_sum, n_tokens)."""
-    t = targets.data if isinstance(targets, Tensor) else targets
-    xp = backend.get_array_module(t)
     V = weight.shape[1] if layout == "dv" else weight.shape[0]
-    if t.shape != h.shape[:-1]:
-        raise ValueError(f"targets shape {t.shape} does not match decoder states {h.shape[:-1]}")
-    valid = t != pad_idx if pad_idx is not None else xp.ones(t.shape, bool)
-    if t.size and (int(xp.where(valid, t, 0).max()) >= V or int(xp.where(valid, t, 0).min()) < 0):
-        raise ValueError(f"a target id is outside the vocabulary [0, {V})")
+    t, n = checked_targets(targets, h.shape[:-1], V, pad_idx, h.xp, "decoder states")
     compute_grad = is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     loss = LinearCrossEntropy.apply(h, weight, Tensor(t), eps=float(label_smoothing),
                                     pad_idx=pad_idx, smoothing=smoothing, layout=layout,
                                     compute_grad=compute_grad)
-    return loss, int(valid.sum())
+    return loss, n

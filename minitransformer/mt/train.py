@@ -297,9 +297,10 @@ class Trainer:
             else:  # an overflow is expected now and then: the scaler handles it, quietly
                 with np.errstate(over="ignore", invalid="ignore"):
                     loss.backward(self.scaler.scale)
-            loss_sum, n_tok = loss_sum + float(loss.data), n_tok + n
+            # kept on the device until the update is queued: reading it waits for the GPU
+            loss_sum, n_tok = loss_sum + loss.data.astype(np.float64), n_tok + n
         if self.comm:
-            loss_sum, n_tok = self.comm.allreduce_grads(self.params, loss_sum, n_tok)
+            loss_sum, n_tok = self.comm.allreduce_grads(self.params, float(loss_sum), n_tok)
         scale = 1.0 / max(n_tok, 1)
         if self.scaler is not None:
             # (after the all-reduce, so every rank sees the same inf and decides alike)
@@ -307,7 +308,7 @@ class Trainer:
             self.scaler.update(finite)  # LossScaleCollapse when S falls below its minimum
             if not finite:
                 self.optim.zero_grad()
-                return loss_sum, n_tok
+                return float(loss_sum), n_tok
         else:
             for p in self.params:
                 if p.grad is not None:
@@ -318,7 +319,7 @@ class Trainer:
         self.optim.lr = self.lr_at(self.update)
         self.optim.step()
         self.optim.zero_grad()
-        return loss_sum, n_tok
+        return float(loss_sum), n_tok
 
     def validate(self):
         """Validation loss per token (no dropout) and greedy BLEU on the first N sentences."""

@@ -326,7 +326,10 @@ class Transformer(Module):
         cfg = self.cfg
         weight, layout = (self.embedding, "vd") if cfg.share_embeddings else \
             (self.out_proj.weight, "dv")
-        return linear_cross_entropy(h, self._in_compute_dtype(weight), self.ids(tgt_out),
+        # targets stay where they are (a host batch is checked on the host; see
+        # engine/cross_entropy.checked_targets) and are then copied to the device
+        targets = tgt_out if hasattr(tgt_out, "shape") else np.asarray(tgt_out)
+        return linear_cross_entropy(h, self._in_compute_dtype(weight), targets,
                                     cfg.label_smoothing, pad_idx=cfg.pad_id,
                                     smoothing=cfg.smoothing, layout=layout)
 

@@ -9,6 +9,7 @@ On CuPy arrays the update is one fused kernel per parameter, or one over all of 
 """
 import math
 
+from .. import backend
 from ..engine import cuda_kernels
 
 
@@ -42,7 +43,11 @@ def clip_grad_norm(params, max_norm):
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    total = math.sqrt(sum(float(g.ravel() @ g.ravel()) for g in grads))
+    xp = backend.get_array_module(grads[0])
+    # each g . g in the gradient's dtype, summed in float64 on the device: one read of the
+    # result, so a GPU run waits once instead of once per parameter
+    sq = xp.stack([(g.ravel() @ g.ravel()).astype(xp.float64) for g in grads])
+    total = math.sqrt(float(sq.sum()))
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for g in grads:
