@@ -91,6 +91,58 @@ def test_generator_state_round_trip(xp):
     assert (backend.to_numpy(h.random((6,), np.float32)) == a).all()
 
 
+def test_generator_draws_are_uniform(xp):
+    # a broken generator (constant, clipped, too few distinct values) would pass the
+    # reproducibility tests above; dropout needs P(u < p) = p
+    u = backend.to_numpy(mt.Generator(3, device=_device(xp)).random((1000, 1000), np.float32))
+    assert u.min() >= 0 and u.max() < 1
+    assert abs(u.mean() - 0.5) < 2e-3  # standard error 2.9e-4
+    for p in (0.1, 0.5):
+        assert abs((u < p).mean() - p) < 2e-3
+    assert len(np.unique(u[:1000])) > 990  # distinct values, not a coarse grid
+
+
+class _FakeCuRAND:
+    """Stand-in for cupy.random.RandomState: records how the Generator drives it."""
+    made = []
+
+    def __init__(self, method):
+        self.method, self.calls = method, []
+        _FakeCuRAND.made.append(self)
+
+    def seed(self, key):
+        self.calls.append(("seed", key))
+        self._rng = np.random.default_rng(key)
+
+    def random_sample(self, shape, dtype):
+        self.calls.append(("random_sample", shape, np.dtype(dtype)))
+        return self._rng.random(shape, dtype=dtype)
+
+
+def test_generator_on_cupy_reseeds_one_philox_generator_per_draw(monkeypatch):
+    # the CuPy branch, run here with a stand-in module: one cuRAND Philox generator per
+    # Generator, seeded with the draw's key before each draw (so set_state restores masks)
+    import types
+    fake = types.SimpleNamespace(random=types.SimpleNamespace(RandomState=_FakeCuRAND),
+                                 cuda=types.SimpleNamespace(curand=types.SimpleNamespace(
+                                     CURAND_RNG_PSEUDO_PHILOX4_32_10=161)))
+    _FakeCuRAND.made.clear()
+    g = mt.Generator(5)
+    g.xp = fake
+    state = g.get_state()
+    a = g.random((2, 3), np.float16)
+    b = g.random((4,), np.float64)
+    assert len(_FakeCuRAND.made) == 1 and _FakeCuRAND.made[0].method == 161
+    calls = _FakeCuRAND.made[0].calls
+    keys = [c[1] for c in calls if c[0] == "seed"]
+    assert [c[0] for c in calls] == ["seed", "random_sample"] * 2 and keys[0] != keys[1]
+    assert calls[1][1:] == ((2, 3), np.dtype(np.float32))  # float16 draws float32
+    assert calls[3][1:] == ((4,), np.dtype(np.float64))
+    g.set_state(state)
+    assert (g.random((2, 3), np.float16) == a).all() and (g.random((4,), np.float64) == b).all()
+    assert [c[1] for c in calls[4:] if c[0] == "seed"] == keys
+
+
 # ---- CPU BLAS -----------------------------------------------------------------------------------
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 

@@ -27,7 +27,7 @@ def layer_norm_forward(x, gamma, beta, eps=1e-5):
     rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + acc.type(eps))
     x_hat = xc * rstd
     y = x_hat * gamma.astype(acc) + beta.astype(acc)
-    return y.astype(x.dtype), x_hat.astype(x.dtype), rstd.astype(x.dtype)
+    return y.astype(x.dtype), x_hat.astype(x.dtype), rstd  # rstd in float32 for float16
 
 
 def layer_norm_backward(dy, x_hat, rstd, gamma):

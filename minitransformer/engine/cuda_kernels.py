@@ -99,10 +99,12 @@ template <typename A> __device__ A block_max(A v, A* shared, A identity) {
 
 // ---- LayerNorm forward: one block per row of D; thread i handles j = i, i + blockDim, ... ----
 // mean = sum(x) / D, var = sum((x - mean)^2) / D (two passes), rstd = 1 / sqrt(var + eps),
-// x_hat = (x - mean) * rstd, y = x_hat * gamma + beta.
+// x_hat = (x - mean) * rstd, y = x_hat * gamma + beta. gamma, beta and rstd are in the
+// accumulator type (float32 for float16 x: the master weights are not rounded to float16).
 template <typename T>
-__global__ void layer_norm_forward(const T* x, const T* gamma, const T* beta,
-                                   T* y, T* x_hat, T* rstd, int D, double eps) {
+__global__ void layer_norm_forward(const T* x, const typename Acc<T>::type* gamma,
+                                   const typename Acc<T>::type* beta, T* y, T* x_hat,
+                                   typename Acc<T>::type* rstd, int D, double eps) {
     typedef Acc<T> C;
     typedef typename C::type A;
     __shared__ A shared[32];
@@ -121,16 +123,17 @@ __global__ void layer_norm_forward(const T* x, const T* gamma, const T* beta,
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
         const A xh = (C::load(x[j]) - mean) * r;
         x_hat[j] = C::store(xh);
-        y[j] = C::store(xh * C::load(gamma[j]) + C::load(beta[j]));
+        y[j] = C::store(xh * gamma[j] + beta[j]);
     }
-    if (threadIdx.x == 0) rstd[blockIdx.x] = C::store(r);
+    if (threadIdx.x == 0) rstd[blockIdx.x] = r;
 }
 
 // ---- LayerNorm backward (dx only): one block per row of D ----
 // dxh = dy * gamma,  dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat)).
+// rstd and gamma in the accumulator type, as the forward takes them.
 template <typename T>
-__global__ void layer_norm_backward(const T* dy, const T* x_hat, const T* rstd, const T* gamma,
-                                    T* dx, int D) {
+__global__ void layer_norm_backward(const T* dy, const T* x_hat, const typename Acc<T>::type* rstd,
+                                    const typename Acc<T>::type* gamma, T* dx, int D) {
     typedef Acc<T> C;
     typedef typename C::type A;
     __shared__ A shared[32];
@@ -138,15 +141,15 @@ __global__ void layer_norm_backward(const T* dy, const T* x_hat, const T* rstd, 
     dy += off; x_hat += off; dx += off;
     A s1 = 0, s2 = 0;
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
-        const A dxh = C::load(dy[j]) * C::load(gamma[j]);
+        const A dxh = C::load(dy[j]) * gamma[j];
         s1 += dxh;
         s2 += dxh * C::load(x_hat[j]);
     }
     const A mean_dxh = block_sum(s1, shared) / A(D);
     const A mean_dxh_xh = block_sum(s2, shared) / A(D);
-    const A r = C::load(rstd[blockIdx.x]);
+    const A r = rstd[blockIdx.x];
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
-        const A dxh = C::load(dy[j]) * C::load(gamma[j]);
+        const A dxh = C::load(dy[j]) * gamma[j];
         dx[j] = C::store(((dxh - mean_dxh) - C::load(x_hat[j]) * mean_dxh_xh) * r);
     }
 }
@@ -283,10 +286,16 @@ def use_for(xp):
     return xp is not np and os.environ.get("MINITRANSFORMER_FUSED", "1") != "0"
 
 
+_gpu_seen = False  # set once CuPy has seen a GPU: launches do not ask the driver again
+
+
 def _cupy():
+    global _gpu_seen
     cp = backend._cupy
-    if cp is None or not backend.cupy_available():
-        raise RuntimeError(f"the CUDA kernels need CuPy and a GPU; {backend.CUPY_FIX}")
+    if not _gpu_seen:
+        if cp is None or not backend.cupy_available():
+            raise RuntimeError(f"the CUDA kernels need CuPy and a GPU; {backend.CUPY_FIX}")
+        _gpu_seen = True
     return cp
 
 
@@ -326,16 +335,18 @@ def layer_norm_forward(x, gamma, beta, eps=1e-5):
 
     mean = sum(x) / D,  var = sum((x - mean)^2) / D,  rstd = 1 / sqrt(var + eps),
     x_hat = (x - mean) * rstd,  y = gamma * x_hat + beta.
-    Returns (y, x_hat, rstd): y and x_hat (..., D), rstd (..., 1), all in x's dtype
-    (float16 input: statistics in float32). One block per row, two reduction passes.
+    Returns (y, x_hat, rstd): y and x_hat (..., D) in x's dtype, rstd (..., 1) in the
+    accumulation dtype (float16 input: statistics, gamma, beta and rstd in float32, as
+    layernorm.py computes them). One block per row, two reduction passes.
     """
     cp = _cupy()
     x = cp.ascontiguousarray(x)
     D = x.shape[-1]
-    gamma = cp.ascontiguousarray(gamma, dtype=x.dtype)
-    beta = cp.ascontiguousarray(beta, dtype=x.dtype)
+    acc = backend.accumulation_dtype(x.dtype)
+    gamma = cp.ascontiguousarray(gamma, dtype=acc)
+    beta = cp.ascontiguousarray(beta, dtype=acc)
     y, x_hat = cp.empty_like(x), cp.empty_like(x)
-    rstd = cp.empty(x.shape[:-1] + (1,), dtype=x.dtype)
+    rstd = cp.empty(x.shape[:-1] + (1,), dtype=acc)
     rows = x.size // D if D else 0
     if rows:
         _row_kernel("layer_norm_forward", x.dtype)(
@@ -349,24 +360,26 @@ def layer_norm_backward(dy, x_hat, rstd, gamma):
 
     dxh = dy * gamma,  dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat))
     (one block per row), dgamma = sum over rows of dy * x_hat, dbeta = sum over rows of dy
-    (CuPy reductions, float32 for float16). dy, x_hat (..., D), rstd (..., 1), gamma (D,)
+    (CuPy reductions; products and sums in float32 for float16, so dy * x_hat cannot
+    overflow where layernorm.py's would not). dy, x_hat (..., D), rstd (..., 1), gamma (D,)
     -> dx (..., D) in dy's dtype, dgamma (D,), dbeta (D,) in gamma's dtype.
     """
     cp = _cupy()
+    acc = backend.accumulation_dtype(dy.dtype)
     dy, x_hat = cp.ascontiguousarray(dy), cp.ascontiguousarray(x_hat, dtype=dy.dtype)
-    rstd = cp.ascontiguousarray(rstd, dtype=dy.dtype)
+    rstd = cp.ascontiguousarray(rstd, dtype=acc)
     param_dtype = gamma.dtype  # dgamma, dbeta in gamma's dtype (float32 master weights)
-    gamma = cp.ascontiguousarray(gamma, dtype=dy.dtype)
+    gamma = cp.ascontiguousarray(gamma, dtype=acc)
     D = dy.shape[-1]
     dx = cp.empty_like(dy)
     rows = dy.size // D if D else 0
     if rows:
         _row_kernel("layer_norm_backward", dy.dtype)(
             (rows,), (_threads(D),), (dy, x_hat, rstd, gamma, dx, np.int32(D)))
-    dy2, xh2 = dy.reshape(-1, D), x_hat.reshape(-1, D)
-    acc = backend.accumulation_dtype(dy.dtype)
-    return dx, (dy2 * xh2).sum(axis=0, dtype=acc).astype(param_dtype, copy=False), \
-        dy2.sum(axis=0, dtype=acc).astype(param_dtype, copy=False)
+    dy2 = dy.reshape(-1, D).astype(acc, copy=False)
+    xh2 = x_hat.reshape(-1, D).astype(acc, copy=False)
+    return dx, (dy2 * xh2).sum(axis=0).astype(param_dtype, copy=False), \
+        dy2.sum(axis=0).astype(param_dtype, copy=False)
 
 
 # ---- masked softmax ----------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class Adam:
         if self._flat_intact():
             data, grad, m, v = self.flat
             xp = self.params[0].xp
-            chunk = data.size if cuda_kernels.use_for(xp) else FLAT_CHUNK
+            chunk = max(data.size, 1) if cuda_kernels.use_for(xp) else FLAT_CHUNK
             for a in range(0, data.size, chunk):
                 part = slice(a, a + chunk)
                 _adam_update(xp, data[part], grad[part], m[part], v[part], *hyper)
