@@ -351,6 +351,7 @@ def test_linear_cross_entropy_equals_projection_then_loss(xp, arrays, assert_clo
     lce = importlib.import_module("minitransformer.engine.linear_cross_entropy")
     if chunk:
         monkeypatch.setattr(lce, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(lce, "GPU_CHUNK_ELEMENTS", chunk)
     V, D = 6, 5
     t = arrays.asarray(TARGETS)
     w_shape = (V, D) if layout == "vd" else (D, V)
