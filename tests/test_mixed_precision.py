@@ -219,3 +219,31 @@ def test_overflowing_updates_are_skipped_then_the_collapse_stops_the_run(tmp_pat
     assert "loss scale now 1.25e+37" in out
     assert "error: update 1:" in err and "--precision float32" in err, err
     assert not os.path.exists(os.path.join(run, "checkpoint_last.npz"))
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_train_py_scales_the_flat_gradient_buffer_as_it_scales_each_gradient(
+        tmp_path, float16_on_cpu, monkeypatch, precision):
+    """With Adam's flat buffers (the default on a GPU) train.py divides the gradients by the
+    token count and, in float16, unscales and checks them, as one array: the same run bit
+    for bit as with one array per parameter."""
+    import functools
+    from minitransformer.optim import Adam
+    from minitransformer.optim import adam as adam_module
+    seen = []
+    flat_grad = adam_module.Adam.flat_grad
+
+    def recording(self):
+        seen.append(flat_grad(self))
+        return seen[-1]
+    monkeypatch.setattr(adam_module.Adam, "flat_grad", recording)
+    params = {}
+    for flat in (False, True):
+        monkeypatch.setattr(train_cli, "Adam", functools.partial(Adam, flat=flat))
+        run = str(tmp_path / f"r{flat}")
+        assert train_cli.main(SMALL + ["--run-dir", run, "--precision", precision,
+                                       "--max-updates", "6", "--valid-every", "6"]) == 0
+        params[flat] = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[0]
+    assert seen[:6] == [None] * 6 and all(g is not None for g in seen[6:]) and len(seen) == 12
+    for name, a in params[False].items():
+        assert np.array_equal(a, params[True][name]), name

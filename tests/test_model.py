@@ -229,6 +229,26 @@ def test_max_length_is_source_plus_a():
         assert 0 not in out and 2 not in out  # padding and BOS are never produced
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_with_a_clear_error():
+    # checked on the host: on a GPU the embedding lookup would wrap such an id around silently
+    model = Transformer(tiny_config(), seed=0)
+    src, tgt_in, tgt_out = toy_batch()
+    src_bad = src.copy()
+    src_bad[1, 2] = V
+    for bad_src, bad_in, bad, where in ((src_bad, tgt_in, V, "source"),
+                                        (src, np.where(tgt_in > 0, -1, 0), -1, "target input"),
+                                        (src.tolist(), tgt_in.tolist(), None, "lists: fine")):
+        if bad is None:
+            loss, n = model.loss(bad_src, bad_in, tgt_out)
+            assert n == int((tgt_out != 0).sum()) and np.isfinite(float(loss.data))
+            continue
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the model's "
+                                             rf"vocabulary \[0, {V}\).*sentencepiece"):
+            model.loss(bad_src, bad_in, tgt_out)
+    with pytest.raises(ValueError, match="outside the"):
+        greedy_search(model, np.array([[5, V, 3]]))
+
+
 def test_checkpoint_round_trip(tmp_path):
     cfg = tiny_config()
     model = Transformer(cfg, seed=1)

@@ -132,6 +132,21 @@ def test_flat_adam_backward_lands_in_the_buffer_and_replaced_arrays_fall_back():
         assert np.array_equal(a.data, b.data)
 
 
+def test_flat_grad_is_the_buffer_only_while_every_gradient_is_a_view_of_it():
+    init, grads = _flat_case(3)
+    params = [Tensor(a.copy(), requires_grad=True) for a in init]
+    opt = Adam(params, lr=1e-2, flat=True)
+    flat = opt.flat_grad()
+    assert flat is opt.flat[1] and flat.size == sum(a.size for a in init)
+    flat *= 0.0  # scaling the buffer scales every p.grad
+    params[1].grad = grads[0][1].copy()  # replaced (as the all-reduce does): no buffer
+    assert opt.flat_grad() is None
+    opt.zero_grad()
+    assert opt.flat_grad() is flat
+    assert Adam([Tensor(a.copy(), requires_grad=True) for a in init], flat=False).flat_grad() \
+        is None
+
+
 def test_flat_adam_state_and_model_loading_keep_the_views():
     init, grads = _flat_case(2)
     params = [Tensor(a.copy(), requires_grad=True) for a in init]

@@ -55,13 +55,13 @@ class ScaledDotProductAttention(Function):
             if bias is not None:
                 s += bias
             m = s.max(axis=-1, keepdims=True)
-            if bias is not None:
-                m[~xp.isfinite(m)] = 0  # fully masked row: keep exp(-inf - 0) = 0, no NaN
+            if bias is not None:  # (no boolean-mask writes: on CuPy each would wait for a count)
+                m = xp.where(xp.isfinite(m), m, acc.type(0))  # fully masked row: exp(-inf) = 0
             s -= m
             xp.exp(s, out=s)
             z = s.sum(axis=-1, keepdims=True)
             if bias is not None:
-                z[z == 0] = 1
+                z += z == 0  # a fully masked row sums to 0: divide by 1, no NaN
             s /= z  # s is now p
             s = s.astype(q.dtype, copy=False)
         self.p, self.q, self.k, self.v = s, q, k, v

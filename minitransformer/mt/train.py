@@ -302,17 +302,19 @@ class Trainer:
         if self.comm:
             loss_sum, n_tok = self.comm.allreduce_grads(self.params, float(loss_sum), n_tok)
         scale = 1.0 / max(n_tok, 1)
+        flat = self.optim.flat_grad()  # all gradients as one array, when they are
+        grads = [p.grad for p in self.params] if flat is None else [flat]
         if self.scaler is not None:
             # (after the all-reduce, so every rank sees the same inf and decides alike)
-            finite = self.scaler.unscale_([p.grad for p in self.params], scale)
+            finite = self.scaler.unscale_(grads, scale)
             self.scaler.update(finite)  # LossScaleCollapse when S falls below its minimum
             if not finite:
                 self.optim.zero_grad()
                 return float(loss_sum), n_tok
         else:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad *= p.dtype.type(scale)
+            for g in grads:
+                if g is not None:
+                    g *= g.dtype.type(scale)
         if self.args.clip_norm > 0:
             clip_grad_norm(self.params, self.args.clip_norm)
         self.update += 1

@@ -275,8 +275,21 @@ class Transformer(Module):
         return backend.get_xp(self.device)
 
     def ids(self, x):
-        """Token ids (a list, NumPy/CuPy array or Tensor) as an integer array on our device."""
-        return self.xp().asarray(x.data if isinstance(x, Tensor) else x)
+        """Token ids (a list, NumPy/CuPy array or Tensor) as an integer array on our device.
+
+        Ids still on the host are checked against the vocabulary here (on a GPU an id out of
+        range would silently wrap around in the embedding lookup); device arrays are taken
+        as they are, since reading them back would make the step wait.
+        """
+        a = x.data if isinstance(x, Tensor) else x
+        if not hasattr(a, "shape") or isinstance(a, np.ndarray):
+            a = np.asarray(a)
+            V = self.cfg.vocab_size
+            if a.size and (a.min() < 0 or a.max() >= V):
+                bad = a[(a < 0) | (a >= V)].flat[0]
+                raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {V}): "
+                                 "was the data encoded with another sentencepiece model?")
+        return self.xp().asarray(a)
 
     def encode(self, src):
         """src ids (B, S) -> memory (B, S, D), src_mask bool (B, S) (True = real token)."""

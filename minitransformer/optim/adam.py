@@ -139,6 +139,12 @@ class Adam:
         for p, g in zip(self.params, self._grad):
             p.grad = g
 
+    def flat_grad(self):
+        """The flat gradient buffer while every ``p.grad`` is still a view of it, else None:
+        scaling or checking all gradients is then one operation instead of one per
+        parameter (on a GPU, one kernel launch instead of hundreds)."""
+        return self.flat[1] if self._flat_intact() else None
+
     def _flat_intact(self):
         return self.flat is not None and all(
             p.data is d and p.grad is g for p, d, g in zip(self.params, self._data, self._grad))
