@@ -181,10 +181,11 @@ class OursRunner(Runner):
                 loss.backward()  # d(loss_sum); summed over ranks, then divided by all tokens
                 loss_sum = float(loss.data)
             params = self.model.parameters()
-            loss_sum, n = self.comm.allreduce_grads(params, loss_sum, n)
-            for p in params:
-                if p.grad is not None:
-                    p.grad *= p.dtype.type(1.0 / n)
+            flat = self.opt.flat_grad()
+            loss_sum, n = self.comm.allreduce_grads(params, loss_sum, n, flat_grad=flat)
+            for g in ([p.grad for p in params] if flat is None else [flat]):
+                if g is not None:
+                    g *= g.dtype.type(1.0 / n)
             self.opt.lr = lr
             self.opt.step()
             self.opt.zero_grad()

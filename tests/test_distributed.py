@@ -73,6 +73,88 @@ def test_summed_grad_buffers_give_the_summed_gradients():
     assert again is total and not again[:12].any()
 
 
+class _TwoEqualRanks:
+    """An MPI communicator of two ranks that hold the same numbers: an all-reduce doubles."""
+    def __init__(self):
+        self.chunks = []
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Allreduce(self, where, chunk, op):
+        assert where == "IN_PLACE" and op == "SUM"
+        self.chunks.append(chunk.size)
+        chunk *= 2
+
+
+def test_comm_sums_the_optimizers_flat_buffer_in_place(monkeypatch):
+    """With flat_grad the gradients are summed where they are (bucket by bucket) and stay
+    views of the optimizer's buffer, so its one-array update still applies; the loss and
+    the token count come back summed."""
+    import types
+    from minitransformer.optim import Adam
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    MPI = types.SimpleNamespace(IN_PLACE="IN_PLACE", SUM="SUM")
+    mpi = _TwoEqualRanks()
+    comm = dist.Comm(MPI, mpi, device="cpu", bucket_bytes=40)  # 10 float32 a bucket
+    params = _params([(3, 4), (5,), (2, 3)], 0)
+    opt = Adam(params, flat=True)
+    rng = np.random.default_rng(2)
+    grads = [rng.standard_normal(p.shape).astype(np.float32) for p in params]
+    for p, g in zip(params, grads):
+        p.grad += g  # backward adds into the views
+    flat = opt.flat_grad()
+    assert comm.allreduce_grads(params, 1.25, 7, flat_grad=flat) == (2.5, 14)
+    assert mpi.chunks == [10, 10, 3, 2]  # 23 gradient numbers in buckets, then the 2 totals
+    assert opt.flat_grad() is flat  # still one array: no per-parameter fallback
+    for p, g in zip(params, grads):
+        np.testing.assert_array_equal(p.grad, 2 * g)
+    assert comm._buf is None  # no copy into a buffer of the Comm's
+
+
+class _OneRank(_TwoEqualRanks):
+    """An MPI communicator of one rank: every collective leaves the numbers as they are."""
+    def Get_size(self):
+        return 1
+
+    def Allreduce(self, where, chunk, op):
+        self.chunks.append(chunk.size)
+
+    def Bcast(self, chunk, root=0):
+        pass
+
+    def Barrier(self):
+        pass
+
+
+def test_train_py_hands_the_flat_buffer_to_the_all_reduce(tmp_path, monkeypatch):
+    """train.py under a Comm (one rank here, through the same code as N): with flat Adam the
+    all-reduce gets Adam's gradient buffer, and the run equals the per-parameter one."""
+    import types
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    MPI = types.SimpleNamespace(IN_PLACE="IN_PLACE", SUM="SUM", MAX="MAX")
+    given, params = [], {}
+    allreduce = dist.Comm.allreduce_grads
+
+    def recording(self, ps, loss_sum, n_tok, flat_grad=None):
+        given.append(flat_grad is not None)
+        return allreduce(self, ps, loss_sum, n_tok, flat_grad=flat_grad)
+    monkeypatch.setattr(dist.Comm, "allreduce_grads", recording)
+    for flat in ("0", "1"):
+        monkeypatch.setenv("MINITRANSFORMER_FLAT_ADAM", flat)
+        run = str(tmp_path / flat)
+        comm = dist.Comm(MPI, _OneRank())
+        assert train_cli.main(SMALL + ["--run-dir", run, "--max-updates", "4",
+                                       "--valid-every", "4"], comm=comm) == 0
+        params[flat] = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[0]
+    assert given == [False] * 4 + [True] * 4
+    for k in params["0"]:
+        assert np.array_equal(params["0"][k], params["1"][k]), k
+
+
 def test_buckets_cover_the_buffer_in_bounded_slices():
     assert dist.buckets(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert dist.buckets(5, 4, 1 << 20) == [(0, 5)]
@@ -131,9 +213,9 @@ def mpi_command(n, *args):
             os.path.join(ROOT, "train.py"), *args]
 
 
-def run_mpi(n, *args, timeout=180):
-    proc = subprocess.run(mpi_command(n, *args), cwd=ROOT, env=mpi_env(), capture_output=True,
-                          text=True, timeout=timeout)
+def run_mpi(n, *args, timeout=180, **env):
+    proc = subprocess.run(mpi_command(n, *args), cwd=ROOT, env=mpi_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -216,6 +298,27 @@ def test_two_ranks_resume_exactly_with_validation_and_dropout(tmp_path):
     assert [r["update"] for r in recs if "valid_bleu" in r] == [4, 8]  # rank 0 validates
     assert sum(1 for r in recs if r.get("update") == 8 and "loss" in r) == 1
     assert os.path.exists(os.path.join(split, "checkpoint_best.npz"))
+
+
+@needs_mpi
+def test_two_ranks_with_flat_adam_equal_per_parameter_adam_bit_for_bit(tmp_path):
+    """MINITRANSFORMER_FLAT_ADAM=1 (the default on GPUs): the all-reduce sums Adam's flat
+    gradient buffer in place and one update covers all parameters. Same additions, same
+    elementwise steps: the same run, bit for bit, as the per-parameter path."""
+    flags = SMALL + ["--dropout", "0.1", "--max-updates", "6", "--valid-every", "6"]
+    runs = {}
+    for flat in ("0", "1"):
+        runs[flat] = str(tmp_path / f"flat{flat}")
+        run_mpi(2, *flags, "--run-dir", runs[flat], MINITRANSFORMER_FLAT_ADAM=flat)
+    a = ckpt.load_checkpoint(os.path.join(runs["0"], "checkpoint_last.npz"))
+    b = ckpt.load_checkpoint(os.path.join(runs["1"], "checkpoint_last.npz"))
+    assert b[2]["update"] == 6
+    for k in a[0]:
+        assert np.array_equal(a[0][k], b[0][k]), k
+    for k in a[1]:
+        assert np.array_equal(a[1][k], b[1][k]), k
+    assert [r["loss"] for r in records(runs["0"]) if "loss" in r] == \
+        [r["loss"] for r in records(runs["1"]) if "loss" in r]
 
 
 def _pid_of_rank(marker, rank, deadline):

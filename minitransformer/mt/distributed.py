@@ -256,21 +256,34 @@ class Comm:
         if self.nccl is not None:
             self.cupy.cuda.get_current_stream().synchronize()
 
-    def allreduce_grads(self, params, loss_sum, n_tok):
+    def allreduce_grads(self, params, loss_sum, n_tok, flat_grad=None):
         """Sum every parameter's gradient, the loss and the target-token count over all ranks
-        with one all-reduce of one flat buffer -> (global loss_sum, global n_tok).
+        -> (global loss_sum, global n_tok).
 
-        Afterwards every rank holds the same summed gradients (``p.grad``, None for a
-        parameter that no rank gave a gradient); the caller divides by n_tok. The gradients
-        are views of a buffer that the next call overwrites (the Trainer drops them after
-        the optimizer step)."""
+        Afterwards every rank holds the same summed gradients; the caller divides by n_tok.
+        Without ``flat_grad`` everything goes into one flat buffer of this Comm's (see
+        ``grad_buffer``), summed in one all-reduce; each ``p.grad`` then becomes a view of
+        it (None for a parameter that no rank gave a gradient) that the next call
+        overwrites (the Trainer drops them after the optimizer step).
+        ``flat_grad``: a buffer of which every ``p.grad`` is already a view (the optimizer's,
+        ``Adam.flat_grad()``): it is summed where it is, with no copy, and the gradients
+        stay views of it, so the optimizer can go on updating all parameters at once; the
+        loss and the count follow in a two-number all-reduce."""
         self._sync()  # on a GPU, let backward finish so that the timer sees only the sum
         t0 = time.perf_counter()
+        xp, dtype = params[0].xp, params[0].dtype
+        if flat_grad is not None:
+            self._sum(flat_grad)
+            tail = xp.asarray(np.array([loss_sum, n_tok], dtype=flat_grad.dtype))
+            self._sum(tail)
+            loss_sum, n_tok = backend.to_numpy(tail).tolist()  # waits for both sums
+            self.allreduce_s += time.perf_counter() - t0
+            return float(loss_sum), int(round(n_tok))
         # One buffer for the whole run: no new pages to map and for MPI to register at every
         # update (on the CPU, 190 kB summed in ~0.1 ms when reused, ~2 ms when fresh).
         size = sum(p.size for p in params) + len(params) + 2
-        if self._buf is None or self._buf.size != size or self._buf.dtype != params[0].dtype:
-            self._buf = params[0].xp.empty(size, dtype=params[0].dtype)
+        if self._buf is None or self._buf.size != size or self._buf.dtype != dtype:
+            self._buf = xp.empty(size, dtype=dtype)
         buf = grad_buffer(params, loss_sum, n_tok, out=self._buf)
         self._sum(buf)
         loss_sum, n_tok = apply_grad_buffer(buf, params)  # reads the tail: waits for the sum

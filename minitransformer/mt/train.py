@@ -299,10 +299,11 @@ class Trainer:
                     loss.backward(self.scaler.scale)
             # kept on the device until the update is queued: reading it waits for the GPU
             loss_sum, n_tok = loss_sum + loss.data.astype(np.float64), n_tok + n
-        if self.comm:
-            loss_sum, n_tok = self.comm.allreduce_grads(self.params, float(loss_sum), n_tok)
-        scale = 1.0 / max(n_tok, 1)
         flat = self.optim.flat_grad()  # all gradients as one array, when they are
+        if self.comm:  # (summed in place when they are one array, so it stays one)
+            loss_sum, n_tok = self.comm.allreduce_grads(self.params, float(loss_sum), n_tok,
+                                                        flat_grad=flat)
+        scale = 1.0 / max(n_tok, 1)
         grads = [p.grad for p in self.params] if flat is None else [flat]
         if self.scaler is not None:
             # (after the all-reduce, so every rank sees the same inf and decides alike)

@@ -8,6 +8,7 @@ On CuPy arrays the update is one fused kernel per parameter, or one over all of 
 ``flat`` buffers (engine/cuda_kernels.py).
 """
 import math
+import os
 
 from .. import backend
 from ..engine import cuda_kernels
@@ -84,13 +85,15 @@ class Adam:
     ``lr`` is the step size for the next ``step()`` (set it from the schedule each update).
     State (``m``, ``v``, ``t``) is saved and restored through ``state_dict`` for exact resumes.
 
-    ``flat`` (default: on for CuPy parameters): every parameter, its gradient, m and v become
+    ``flat`` (default: on for CuPy parameters, or as the environment variable
+    MINITRANSFORMER_FLAT_ADAM=1 / 0 says): every parameter, its gradient, m and v become
     views of four flat buffers, so one step is one update over each buffer (one CUDA kernel
     on a GPU) instead of one per parameter. ``zero_grad`` then zeroes the gradient buffer
     and leaves each ``p.grad`` a view of it (backward adds into it), not None. When a
     parameter's data or gradient has been replaced by another array since (a checkpoint
-    loaded by assignment, gradients from the all-reduce buffer), ``step`` updates parameter
-    by parameter instead, with the same formula.
+    loaded by assignment, a gradient set by hand, the all-reduce's own buffer when it was not
+    given ``flat_grad()``), ``step`` updates parameter by parameter instead, with the same
+    formula.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0,
@@ -99,8 +102,10 @@ class Adam:
         self.lr, self.beta1, self.beta2, self.eps = lr, betas[0], betas[1], eps
         self.weight_decay = weight_decay
         self.t = 0
-        if flat is None:
-            flat = any(cuda_kernels.use_for(p.xp) for p in self.params)
+        if flat is None:  # MINITRANSFORMER_FLAT_ADAM=1 / 0 sets the default; else on a GPU
+            env = os.environ.get("MINITRANSFORMER_FLAT_ADAM", "")
+            flat = env == "1" if env in ("0", "1") else \
+                any(cuda_kernels.use_for(p.xp) for p in self.params)
         kinds = {(p.dtype, p.device) for p in self.params}
         self.flat = None
         if flat and len(kinds) == 1:
