@@ -116,15 +116,17 @@ class Generator:
     def random(self, shape, dtype):
         """Uniform [0, 1) of ``dtype`` (float32 or float64; float16 draws float32, which
         compares with a dropout rate just as well)."""
-        key = int(np.random.SeedSequence([self._seed, self.draws]).generate_state(1, np.uint64)[0])
+        key = np.random.SeedSequence([self._seed, self.draws]).generate_state(1, np.uint64)[0]
         self.draws += 1
         dtype = accumulation_dtype(dtype)
         if self.xp is np:
-            return np.random.default_rng(key).random(shape, dtype=dtype)
+            return np.random.default_rng(int(key)).random(shape, dtype=dtype)
         if self._curand is None:
             self._curand = self.xp.random.RandomState(
                 method=self.xp.cuda.curand.CURAND_RNG_PSEUDO_PHILOX4_32_10)
-        self._curand.seed(key)  # the key, and the stream's offset back to 0
+        # the key (a uint64: CuPy 13.0-13.2 refuse a Python int above int64 there) and the
+        # stream's offset back to 0
+        self._curand.seed(key)
         return self._curand.random_sample(shape, dtype=dtype)
 
     def get_state(self):

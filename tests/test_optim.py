@@ -255,6 +255,17 @@ def test_clip_grad_norm_scales_to_max_norm(dtype):
         np.testing.assert_allclose(p.grad, g * (1.3 / 13.0), rtol=1e-6)  # same direction
 
 
+def test_clip_grad_norm_of_the_flat_buffer_clips_every_gradient():
+    # train.py hands over Adam's flat gradient buffer: one array, the same norm and clipping
+    ps = [Tensor(np.zeros(s), requires_grad=True) for s in ((2, 2), (1,))]
+    opt = Adam(ps, flat=True)
+    ps[0].grad += np.array([[3.0, 0.0], [0.0, 4.0]])
+    ps[1].grad += 12.0
+    assert clip_grad_norm(ps, 1.3, grads=[opt.flat_grad()]) == pytest.approx(13.0, rel=1e-15)
+    np.testing.assert_allclose(ps[0].grad, [[0.3, 0.0], [0.0, 0.4]], rtol=1e-6)
+    np.testing.assert_allclose(ps[1].grad, [1.2], rtol=1e-6)
+
+
 def test_clip_grad_norm_leaves_small_gradients_and_measures():
     ps = _params_with_grads([3.0, 4.0])
     assert clip_grad_norm(ps, 10.0) == pytest.approx(5.0, rel=1e-15)

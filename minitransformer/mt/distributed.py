@@ -6,7 +6,9 @@
 Every rank builds the same model and reads the same stream of batches; at each update it takes
 its share of every batch (``shard``: ``split_batch`` balances target tokens), runs forward and
 backward on it, and then ``allreduce_grads`` sums, over all ranks, one flat buffer holding
-every gradient, the loss and the target-token count. The Trainer divides the summed
+every gradient, the loss and the target-token count (or, when the gradients already are one
+buffer, Adam's flat one on a GPU, that buffer in place and then the loss and the count). The
+Trainer divides the summed
 gradients by the global token count, so each rank applies exactly the update a single
 process would compute on the union of the ranks' shards (up to the order of float32
 additions). Parameters are broadcast from rank 0 at the start, so all ranks stay identical.
@@ -268,7 +270,9 @@ class Comm:
         ``flat_grad``: a buffer of which every ``p.grad`` is already a view (the optimizer's,
         ``Adam.flat_grad()``): it is summed where it is, with no copy, and the gradients
         stay views of it, so the optimizer can go on updating all parameters at once; the
-        loss and the count follow in a two-number all-reduce."""
+        loss and the count follow in a two-number all-reduce. There no gradient is None:
+        a parameter that no rank gave one has a zero gradient, and flat Adam updates it
+        (from its momentum), as it does in one process."""
         self._sync()  # on a GPU, let backward finish so that the timer sees only the sum
         t0 = time.perf_counter()
         xp, dtype = params[0].xp, params[0].dtype

@@ -297,7 +297,8 @@ class Trainer:
             else:  # an overflow is expected now and then: the scaler handles it, quietly
                 with np.errstate(over="ignore", invalid="ignore"):
                     loss.backward(self.scaler.scale)
-            # kept on the device until the update is queued: reading it waits for the GPU
+            # kept on the device until the update is queued (or, under mpiexec, until the
+            # all-reduce, which waits for backward anyway): reading it waits for the GPU
             loss_sum, n_tok = loss_sum + loss.data.astype(np.float64), n_tok + n
         flat = self.optim.flat_grad()  # all gradients as one array, when they are
         if self.comm:  # (summed in place when they are one array, so it stays one)
@@ -317,7 +318,7 @@ class Trainer:
                 if g is not None:
                     g *= g.dtype.type(scale)
         if self.args.clip_norm > 0:
-            clip_grad_norm(self.params, self.args.clip_norm)
+            clip_grad_norm(self.params, self.args.clip_norm, grads=grads)
         self.update += 1
         self.optim.lr = self.lr_at(self.update)
         self.optim.step()

@@ -281,15 +281,17 @@ class Transformer(Module):
         range would silently wrap around in the embedding lookup); device arrays are taken
         as they are, since reading them back would make the step wait.
         """
-        a = x.data if isinstance(x, Tensor) else x
-        if not hasattr(a, "shape") or isinstance(a, np.ndarray):
-            a = np.asarray(a)
-            V = self.cfg.vocab_size
-            if a.size and (a.min() < 0 or a.max() >= V):
-                bad = a[(a < 0) | (a >= V)].flat[0]
-                raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {V}): "
-                                 "was the data encoded with another sentencepiece model?")
+        a = self._host_or_device(x)
+        if isinstance(a, np.ndarray):
+            ops.check_ids(a, self.cfg.vocab_size, "token id",
+                          ": was the data encoded with another sentencepiece model?")
         return self.xp().asarray(a)
+
+    @staticmethod
+    def _host_or_device(x):
+        """Ids as they came: a device array stays one, anything else becomes a NumPy array."""
+        a = x.data if isinstance(x, Tensor) else x
+        return a if hasattr(a, "shape") and not isinstance(a, np.generic) else np.asarray(a)
 
     def encode(self, src):
         """src ids (B, S) -> memory (B, S, D), src_mask bool (B, S) (True = real token)."""
@@ -341,8 +343,8 @@ class Transformer(Module):
             (self.out_proj.weight, "dv")
         # targets stay where they are (a host batch is checked on the host; see
         # engine/cross_entropy.checked_targets) and are then copied to the device
-        targets = tgt_out if hasattr(tgt_out, "shape") else np.asarray(tgt_out)
-        return linear_cross_entropy(h, self._in_compute_dtype(weight), targets,
+        return linear_cross_entropy(h, self._in_compute_dtype(weight),
+                                    self._host_or_device(tgt_out),
                                     cfg.label_smoothing, pad_idx=cfg.pad_id,
                                     smoothing=cfg.smoothing, layout=layout)
 

@@ -36,12 +36,14 @@ def linear_decay_lr(step, d_model, warmup, total, factor=1.0):
     return noam_lr(warmup, d_model, warmup, factor) * max(total - step, 0) / max(total - warmup, 1)
 
 
-def clip_grad_norm(params, max_norm):
+def clip_grad_norm(params, max_norm, grads=None):
     """Scale all gradients in place so their global L2 norm is at most ``max_norm``.
 
     Returns the norm before clipping (a float). ``max_norm <= 0`` only measures.
+    ``grads``: the gradient arrays to use instead of the parameters' (e.g. ``[Adam.flat_grad()]``,
+    one array holding them all).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g for g in ([p.grad for p in params] if grads is None else grads) if g is not None]
     if not grads:
         return 0.0
     xp = backend.get_array_module(grads[0])
