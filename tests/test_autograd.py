@@ -32,6 +32,16 @@ def test_tensor_used_twice_accumulates(xp, arrays, assert_close):
     assert_close(x.grad, 18 * xn + 3 * np.exp(3 * xn) - 1, 1e-14, 1e-14, "shared intermediate")
 
 
+def test_array_on_the_left_of_a_tensor_gives_a_tensor(xp, arrays, assert_close):
+    # numpy and cupy arrays defer to the Tensor's reflected operators: the result is recorded
+    a, w = arrays.randn(2, 3), arrays.randn(2, 3)
+    x = mt.Tensor(a, requires_grad=True)
+    for y in (w * x, w + x, w - x):
+        assert isinstance(y, mt.Tensor)
+    (w * x).sum().backward()
+    assert_close(x.grad, w, 0, 0, "d(w * x)/dx")
+
+
 def test_gradients_accumulate_across_backward_calls(xp, arrays, assert_close):
     x = leaf(arrays, 2, 3)
     w = arrays.randn(2, 3)

@@ -39,7 +39,9 @@ class Tensor:
     None), ``node`` the Function application that produced it (None for leaves).
     """
 
-    __array_priority__ = 100  # so that ndarray * Tensor calls Tensor.__rmul__
+    # so that array * Tensor calls Tensor.__rmul__: above numpy's 0 and cupy's 100 (a tie
+    # would leave the product to cupy, which cannot take a Tensor)
+    __array_priority__ = 1000
 
     def __init__(self, data, requires_grad=False, device=None, dtype=None, name=None):
         if isinstance(data, Tensor):
