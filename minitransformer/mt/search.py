@@ -79,7 +79,7 @@ def greedy_search(model, src, max_len_a=50):
     with no_grad():
         model.eval()
         xp = model.xp()
-        src = xp.asarray(src)
+        src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B = src.shape[0]
         memory, src_mask = model.encode(src)
         limit = to_numpy((src != model.cfg.pad_id).sum(axis=1)) + max_len_a
@@ -119,7 +119,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=50, length_penalty="gnm
     with no_grad():
         model.eval()
         xp = model.xp()
-        src = xp.asarray(src)
+        src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B, k = src.shape[0], beam
         eos = model.cfg.eos_id
         memory, src_mask = model.encode(src)
