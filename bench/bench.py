@@ -172,6 +172,7 @@ class OursRunner(Runner):
                                  ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")})
 
     def step(self, b, lr):
+        from minitransformer.optim import scale_gradients  # as mt.train.Trainer.train_update
         self.model.train()
         if self.comm is not None:  # as mt.train.Trainer.train_update with N ranks
             b = common.shard_rows(b, self.comm.rank, self.comm.size, self.cfg["pad_id"])
@@ -180,12 +181,9 @@ class OursRunner(Runner):
                 loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
                 loss.backward()  # d(loss_sum); summed over ranks, then divided by all tokens
                 loss_sum = float(loss.data)
-            params = self.model.parameters()
-            flat = self.opt.flat_grad()
-            loss_sum, n = self.comm.allreduce_grads(params, loss_sum, n, flat_grad=flat)
-            for g in ([p.grad for p in params] if flat is None else [flat]):
-                if g is not None:
-                    g *= g.dtype.type(1.0 / n)
+            loss_sum, n = self.comm.allreduce_grads(self.model.parameters(), loss_sum, n,
+                                                    flat_grad=self.opt.flat_grad())
+            scale_gradients(self.opt.gradients(), 1.0 / n)
             self.opt.lr = lr
             self.opt.step()
             self.opt.zero_grad()
@@ -194,9 +192,7 @@ class OursRunner(Runner):
         self.opt.lr = lr
         if self.scaler is not None:  # as mt.train.Trainer.train_update in float16
             loss.backward(self.scaler.scale)
-            finite = self.scaler.unscale_([p.grad for p in self.model.parameters()], 1.0 / n)
-            self.scaler.update(finite)
-            if finite:
+            if scale_gradients(self.opt.gradients(), 1.0 / n, self.scaler):
                 self.opt.step()
             self.opt.zero_grad()
             return float(loss.data), n

@@ -139,8 +139,10 @@ def test_flat_grad_is_the_buffer_only_while_every_gradient_is_a_view_of_it():
     flat = opt.flat_grad()
     assert flat is opt.flat[1] and flat.size == sum(a.size for a in init)
     flat *= 0.0  # scaling the buffer scales every p.grad
+    assert len(opt.gradients()) == 1 and opt.gradients()[0] is flat
     params[1].grad = grads[0][1].copy()  # replaced (as the all-reduce does): no buffer
     assert opt.flat_grad() is None
+    assert [g is p.grad for g, p in zip(opt.gradients(), params)] == [True] * len(params)
     opt.zero_grad()
     assert opt.flat_grad() is flat
     assert Adam([Tensor(a.copy(), requires_grad=True) for a in init], flat=False).flat_grad() \

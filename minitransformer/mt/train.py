@@ -20,7 +20,7 @@ from .. import backend
 from ..engine.tensor import no_grad
 from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
 from ..optim import (Adam, DynamicLossScaler, LossScaleCollapse, clip_grad_norm, linear_decay_lr,
-                     noam_lr)
+                     noam_lr, scale_gradients)
 from . import checkpoint as ckpt
 from .data import Batches, DataError, collate, read_parallel
 from .fileio import atomic_write_text
@@ -300,23 +300,14 @@ class Trainer:
             # kept on the device until the update is queued (or, under mpiexec, until the
             # all-reduce, which waits for backward anyway): reading it waits for the GPU
             loss_sum, n_tok = loss_sum + loss.data.astype(np.float64), n_tok + n
-        flat = self.optim.flat_grad()  # all gradients as one array, when they are
-        if self.comm:  # (summed in place when they are one array, so it stays one)
+        if self.comm:  # (Adam's flat buffer, when the gradients are one, summed in place)
             loss_sum, n_tok = self.comm.allreduce_grads(self.params, float(loss_sum), n_tok,
-                                                        flat_grad=flat)
-        scale = 1.0 / max(n_tok, 1)
-        grads = [p.grad for p in self.params] if flat is None else [flat]
-        if self.scaler is not None:
-            # (after the all-reduce, so every rank sees the same inf and decides alike)
-            finite = self.scaler.unscale_(grads, scale)
-            self.scaler.update(finite)  # LossScaleCollapse when S falls below its minimum
-            if not finite:
-                self.optim.zero_grad()
-                return float(loss_sum), n_tok
-        else:
-            for g in grads:
-                if g is not None:
-                    g *= g.dtype.type(scale)
+                                                        flat_grad=self.optim.flat_grad())
+        grads = self.optim.gradients()  # the flat buffer as one array, while it is one
+        # (after the all-reduce, so every rank sees the same inf and decides alike)
+        if not scale_gradients(grads, 1.0 / max(n_tok, 1), self.scaler):
+            self.optim.zero_grad()  # float16 gradients overflowed: the update is skipped
+            return float(loss_sum), n_tok
         if self.args.clip_norm > 0:
             clip_grad_norm(self.params, self.args.clip_norm, grads=grads)
         self.update += 1

@@ -58,6 +58,21 @@ def clip_grad_norm(params, max_norm, grads=None):
     return total
 
 
+def scale_gradients(grads, multiplier, scaler=None):
+    """After backward (and the all-reduce): every gradient array *= ``multiplier`` (1 / the
+    target tokens), in place. With a loss scaler (float16) they are divided by its scale too,
+    checked, and the scale adjusted. -> whether they are finite (an update to skip if not).
+    ``grads``: arrays, None entries skipped (``Adam.gradients()``: one flat one when it can)."""
+    if scaler is not None:
+        finite = scaler.unscale_(grads, multiplier)
+        scaler.update(finite)  # LossScaleCollapse when S falls below its minimum
+        return finite
+    for g in grads:
+        if g is not None:
+            g *= g.dtype.type(multiplier)
+    return True
+
+
 FLAT_CHUNK = 1 << 20  # elements per NumPy pass over the flat buffers (temporaries stay small)
 
 
@@ -151,6 +166,12 @@ class Adam:
         scaling or checking all gradients is then one operation instead of one per
         parameter (on a GPU, one kernel launch instead of hundreds)."""
         return self.flat[1] if self._flat_intact() else None
+
+    def gradients(self):
+        """The arrays holding the gradients, for scaling, checking and clipping: the flat
+        buffer alone while intact, else every ``p.grad`` (None where a parameter has none)."""
+        flat = self.flat_grad()
+        return [p.grad for p in self.params] if flat is None else [flat]
 
     def _flat_intact(self):
         return self.flat is not None and all(
