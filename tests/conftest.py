@@ -1,21 +1,60 @@
 """Shared fixtures: the array backend under test and helpers to build arrays on it.
 
-``xp`` runs a test once per backend: NumPy always, CuPy (marked ``gpu``) only where CuPy
-imports and sees a GPU; elsewhere the CuPy case is skipped with the reason, never errors.
+``xp`` runs a test once per backend: NumPy, and CuPy (marked ``gpu``). Every test marked
+``gpu`` runs the package's GPU code path: on CuPy and a real GPU where there is one, else
+on the CUDA-on-CPU stand-in (tests/cuda_on_cpu: the CUDA kernels compiled for the host, a
+CuPy that keeps CuPy's rules), so CI executes it. Where neither can run (no C++ compiler)
+the test is skipped with the reason.
 """
+import os
+
 import numpy as np
 import pytest
 
 from minitransformer import Tensor, backend
 
+REAL_GPU = backend.cupy_available()  # before any test puts the stand-in in place
+
+
+def gpu_unavailable():
+    """None when the GPU path can run here (a real GPU, or the stand-in), else why not."""
+    if REAL_GPU:
+        return None
+    from cuda_on_cpu import kernels
+    return kernels.compiler_missing()
+
+
+def small_corpus(run_dir, n_train=1500, n_valid=40):
+    """The synthetic corpus train.py would generate in ``run_dir``/data, with a short
+    validation set: on the CPU harness a GPU run's validation costs as much as its updates."""
+    from minitransformer.mt.synthetic import write_corpus
+    write_corpus(os.path.join(run_dir, "data"), seed=1234, n_train=n_train, n_valid=n_valid,
+                 n_test=10)
+    return str(run_dir)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_path(request):
+    """For a test marked ``gpu`` without a real GPU: CuPy is the stand-in during the test."""
+    if request.node.get_closest_marker("gpu") is None or REAL_GPU:
+        yield
+        return
+    reason = gpu_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from cuda_on_cpu import fake_cupy
+    undo = fake_cupy.install()
+    try:
+        yield
+    finally:
+        undo()
+
 
 @pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
 def xp(request):
-    """The array module under test: numpy, or cupy when a GPU is present."""
+    """The array module under test: numpy, or cupy (a real GPU's or the stand-in)."""
     if request.param == "numpy":
         return np
-    if not backend.cupy_available():
-        pytest.skip("CuPy with an NVIDIA GPU is not available (pip install -e .[cuda12])")
     return backend.get_xp("cuda")
 
 

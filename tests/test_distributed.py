@@ -22,6 +22,8 @@ from minitransformer.mt import checkpoint as ckpt
 from minitransformer.mt import distributed as dist
 from minitransformer.mt import train as train_cli
 
+from conftest import REAL_GPU
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--synthetic-pairs", "1500", "--d-model", "32", "--n-heads", "2", "--d-ff", "64",
          "--max-tokens", "600", "--vocab-size", "120", "--no-progress", "--log-every", "2",
@@ -208,13 +210,16 @@ def mpi_env(**extra):
     return env
 
 
-def mpi_command(n, *args):
-    return [MPIEXEC, "--oversubscribe", "-n", str(n), sys.executable,
+def mpi_command(n, *args, stand_in=False):
+    """mpiexec ... train.py args; ``stand_in``: through tests/cuda_on_cpu/run.py, so that
+    ``--device cuda`` runs on the CuPy stand-in (NCCL summing over MPI)."""
+    launcher = [os.path.join(ROOT, "tests", "cuda_on_cpu", "run.py")] if stand_in else []
+    return [MPIEXEC, "--oversubscribe", "-n", str(n), sys.executable, *launcher,
             os.path.join(ROOT, "train.py"), *args]
 
 
-def run_mpi(n, *args, timeout=180, **env):
-    proc = subprocess.run(mpi_command(n, *args), cwd=ROOT, env=mpi_env(**env),
+def run_mpi(n, *args, timeout=180, stand_in=False, **env):
+    proc = subprocess.run(mpi_command(n, *args, stand_in=stand_in), cwd=ROOT, env=mpi_env(**env),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
@@ -376,21 +381,23 @@ def test_sigterm_to_one_rank_stops_all_ranks_and_rank0_saves(tmp_path):
 
 
 def _gpu_ranks():
-    """How many ranks the NCCL test can run (one per GPU, at most 2), or a skip reason."""
+    """How many ranks the NCCL test can run (one per GPU, at most 2; 2 on the stand-in,
+    which gives each rank a 'GPU'), or a skip reason."""
     if MPIEXEC is None:
         return "needs mpi4py and mpiexec: pip install -e .[mpi]"
-    if not backend.cupy_available():
-        return "needs CuPy and an NVIDIA GPU: pip install -e .[cuda12]"
     from cupy.cuda import nccl
     if not getattr(nccl, "available", True):
         return "CuPy cannot load NCCL (python -m minitransformer.doctor says how to fix it)"
+    if not REAL_GPU:
+        return 2
     return min(2, backend.get_xp("cuda").cuda.runtime.getDeviceCount())
 
 
 @pytest.mark.gpu
 def test_nccl_ranks_equal_one_gpu_process_after_k_updates(tmp_path):
-    """The same equivalence on GPUs, summed by NCCL (1 rank where the machine has 1 GPU:
-    that still runs the NCCL set-up, all-reduce and broadcast)."""
+    """The same equivalence on GPUs, summed by NCCL in place in flat Adam's gradient buffer
+    (1 rank where the machine has 1 GPU: that still runs the NCCL set-up, all-reduce and
+    broadcast). Without a GPU: 2 ranks on the stand-in, its NCCL summing over MPI."""
     n = _gpu_ranks()
     if isinstance(n, str):
         pytest.skip(n)
@@ -398,7 +405,7 @@ def test_nccl_ranks_equal_one_gpu_process_after_k_updates(tmp_path):
                      "--valid-every", "1000", "--device", "cuda"]
     one, many = str(tmp_path / "one"), str(tmp_path / "many")
     assert train_cli.main(flags + ["--run-dir", one]) == 0
-    out = run_mpi(n, *flags, "--run-dir", many)
+    out = run_mpi(n, *flags, "--run-dir", many, stand_in=not REAL_GPU, CUDA_ON_CPU_DEVICES="2")
     assert "allreduce" in out
     assert_state_close(os.path.join(one, "checkpoint_last.npz"),
                        os.path.join(many, "checkpoint_last.npz"), f"{n} GPU ranks vs 1 process")

@@ -1,0 +1,126 @@
+"""The command-line tools with ``--device cuda``, end to end, against the NumPy path.
+
+Marked ``gpu``: on a real GPU, or else on the CUDA-on-CPU stand-in (tests/cuda_on_cpu), where
+the same Python code runs with CuPy's rules and the CUDA kernels compiled for this CPU. The
+stand-in's products are exact float32 (no TF32) and its dropout draws come from another
+generator than cuRAND, so runs are compared with dropout off, to float32 tolerances (the
+kernels sum in another order than NumPy).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minitransformer.mt import checkpoint as ckpt
+from minitransformer.mt import train as train_cli
+from minitransformer.mt import translate as translate_cli
+
+from conftest import REAL_GPU, small_corpus
+from test_cli import ROOT, SMALL
+
+pytestmark = pytest.mark.gpu
+# small batches: on the CPU harness every CUDA thread is a fiber, a kernel costs ~50 ns per
+# thread and barrier, and these runs are about the code path, not the model
+UPDATES = ["--dropout", "0", "--max-updates", "8", "--valid-every", "8", "--log-every", "1",
+           "--max-tokens", "300", "--valid-bleu-sentences", "8"]
+
+
+def _train(run, *flags):
+    small_corpus(run)
+    assert train_cli.main(SMALL + UPDATES + ["--run-dir", str(run), *flags]) == 0
+    params, opt, meta = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))
+    losses = [r["loss"] for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+              if "loss" in r]
+    return params, opt, meta, losses
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """The reference: the same 8 updates on the NumPy path (float32, per-parameter Adam)."""
+    run = tmp_path_factory.mktemp("cpu") / "run"
+    return run, _train(run, "--device", "cpu")
+
+
+def _initial(meta):
+    """The parameters train.py starts from (seed 1, its default)."""
+    from minitransformer.nn.transformer import Transformer, TransformerConfig
+    model = Transformer(TransformerConfig.from_dict(meta["config"]), seed=1)
+    return {k: v.copy() for k, v in model.state_dict().items()}
+
+
+def _relative_distance(a, b):
+    num = np.sqrt(sum(np.sum((a[k].astype(np.float64) - b[k]) ** 2) for k in a))
+    return num / np.sqrt(sum(np.sum(b[k].astype(np.float64) ** 2) for k in b))
+
+
+def test_train_py_device_cuda_float32_matches_the_numpy_path(tmp_path, cpu_run):
+    """Fused kernels, flat-buffer Adam (one kernel), the loss kept on the device: after 8
+    updates the parameters and Adam's moments equal the NumPy run's to float32 rounding."""
+    _, (p_cpu, o_cpu, _, l_cpu) = cpu_run
+    p, o, meta, losses = _train(tmp_path / "gpu", "--device", "cuda")
+    assert meta["update"] == 8
+    assert p.keys() == p_cpu.keys()
+    assert all(a.dtype == np.float32 for a in p.values())
+    np.testing.assert_allclose(losses, l_cpu, rtol=1e-4 if not REAL_GPU else 5e-3)
+    tol = 1e-5 if not REAL_GPU else 5e-3  # TF32 products on a real GPU
+    # The key projection's bias adds q . b_k to every score of a query, which softmax
+    # ignores: its exact gradient is 0, so both runs hold rounding noise there, and Adam
+    # (g / sqrt(v)) turns noise of either sign into a whole step. Compare it apart.
+    zero_grad = [k for k in p if k.endswith(".wk.bias")]
+    assert len(zero_grad) == 6
+
+    def part(d, prefix=""):
+        return {k: v for k, v in d.items()
+                if k.startswith(prefix) and k[len(prefix):] not in zero_grad}
+    assert _relative_distance(part(p), part(p_cpu)) < tol
+    assert _relative_distance(part(o, "m."), part(o_cpu, "m.")) < 100 * tol
+    for k in zero_grad:  # at most one step of the peak learning rate per update
+        assert np.abs(p[k] - p_cpu[k]).max() < 2 * 8 * 4e-3
+
+
+def test_train_py_device_cuda_float16_learns_and_stays_near_float32(tmp_path, cpu_run):
+    """--precision float16: float16 activations and kernels, float32 master weights in flat
+    Adam, dynamic loss scaling; 8 updates land near the float32 NumPy run."""
+    _, (p_cpu, _, _, l_cpu) = cpu_run
+    p, _, meta, losses = _train(tmp_path / "half", "--device", "cuda", "--precision", "float16")
+    assert meta["update"] == 8 and meta["loss_scale"]["scale"] > 0
+    assert all(a.dtype == np.float32 and np.isfinite(a).all() for a in p.values())
+    np.testing.assert_allclose(losses, l_cpu, rtol=2e-2)
+    # what the 8 updates changed, float16 against float32: Adam divides each gradient by
+    # its own size, so float16's rounding of small gradients moves a few coordinates by a
+    # whole step; the update as a whole agrees
+    p0 = _initial(meta)
+    d16 = {k: p[k] - p0[k] for k in p0}
+    d32 = {k: p_cpu[k] - p0[k] for k in p0}
+    assert _relative_distance(d16, d32) < 0.1
+
+
+def test_translate_py_device_cuda_gives_the_cpu_translations(cpu_run, capsys):
+    """Greedy and beam search on the device: the same output lines as on the CPU."""
+    run, _ = cpu_run
+    src = os.path.join(run, "data", "valid.src")  # 40 sentences (small_corpus)
+    for beam in ("1", "4"):
+        outs = []
+        for device in ("cpu", "cuda"):
+            assert translate_cli.main(["--run-dir", str(run), "--input", src, "--beam", beam,
+                                       "--device", device]) == 0
+            outs.append(capsys.readouterr().out.splitlines())
+        assert len(outs[0]) == 40 and outs[0] == outs[1], f"beam {beam}"
+
+
+@pytest.mark.skipif(REAL_GPU, reason="the stand-in's run; on a GPU run bench.py itself")
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_bench_device_cuda_runs_through_on_the_stand_in(tmp_path, precision):
+    """bench.py --device cuda --no-torch: its timings mean nothing here, its code path is the
+    GPU one (training step, decoding, memory pool, the CuPy GEMM rate)."""
+    results = tmp_path / "RESULTS.md"
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "cuda_on_cpu", "run.py"),
+           os.path.join(ROOT, "bench", "bench.py"), "--device", "cuda", "--no-torch",
+           "--precision", precision, "--steps", "2", "--warmup", "1", "--decode-sentences", "4",
+           "--decode-reps", "1", "--profile", "--results", str(results)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cuda" in proc.stdout and results.exists()
