@@ -70,7 +70,8 @@ class Runner:
         self.cfg = {**common.model_config(args.config), "max_positions": 1024}
         n_batches = args.warmup + args.steps
         V = self.cfg["vocab_size"]
-        self.batches = common.training_batches(n_batches, V, spec["max_tokens"], args.seed)
+        self.batches = common.training_batches(n_batches, V, args.max_tokens or spec["max_tokens"],
+                                               args.seed)
         self.decode_srcs = common.decode_batches(args.decode_sentences, V, args.seed + 1,
                                                  args.decode_max_tokens)
         self.step_count = 0
@@ -254,12 +255,13 @@ class OursRunner(Runner):
         return beam_search(self.model, src, beam=self.args.beam, alpha=0.6,
                            max_len_a=self.args.max_len_a)
 
-    def gemm(self, n=2048):
+    def gemm(self, n=None):
         if self.device == "cuda":
             import cupy
-            n = 8192
+            n = n or 8192
             make = lambda n: cupy.random.standard_normal((n, n), dtype=cupy.float32)  # noqa
             return dict(gflops=common.gemm_gflops(cupy.matmul, make, n, 5, self.sync), n=n)
+        n = n or 2048
         return dict(gflops=common.numpy_gemm_gflops(n), n=n)
 
 
@@ -406,10 +408,9 @@ class TorchRunner(Runner):
         return self.ref.beam_search(self.model, src, beam=self.args.beam, alpha=0.6,
                                     max_len_a=self.args.max_len_a)
 
-    def gemm(self, n=2048):
+    def gemm(self, n=None):
         t = self.torch
-        if self.device.type == "cuda":
-            n = 8192
+        n = n or (8192 if self.device.type == "cuda" else 2048)
         make = lambda n: t.randn(n, n, device=self.device)  # noqa: E731
         return dict(gflops=common.gemm_gflops(t.matmul, make, n, 5, self.sync), n=n)
 
@@ -521,6 +522,7 @@ def run_config(name, args, machine, peak):
     steps = args.steps if args.steps is not None else spec["steps"]
     warmup = args.warmup if args.warmup is not None else spec["warmup"]
     n_dec = args.decode_sentences or spec["decode_sentences"]
+    max_tokens = args.max_tokens or spec["max_tokens"]
     frameworks = ["ours"] + (["torch"] if args.torch else [])
     ranked = [fw + "_ranks" for fw in frameworks] if args.ranks > 1 else []  # training only
     tmp = tempfile.mkdtemp(prefix="minitransformer-bench-")
@@ -529,10 +531,10 @@ def run_config(name, args, machine, peak):
             "--steps", str(steps), "--warmup", str(warmup), "--decode-sentences", str(n_dec),
             "--decode-max-tokens", str(args.decode_max_tokens), "--beam", str(args.beam),
             "--max-len-a", str(args.max_len_a), "--threads", str(args.threads),
-            "--precision", args.precision, "--init", init]
+            "--precision", args.precision, "--init", init, "--max-tokens", str(max_tokens)]
     cfg = common.model_config(name)
     print(f"\n== {name}: N={cfg['n_layers']} D={cfg['d_model']} H={cfg['n_heads']} "
-          f"F={cfg['d_ff']} V={cfg['vocab_size']}, ~{spec['max_tokens']} + {spec['max_tokens']} "
+          f"F={cfg['d_ff']} V={cfg['vocab_size']}, ~{max_tokens} + {max_tokens} "
           f"tokens a batch, {warmup} warm-up + {steps} timed steps, device {args.device}",
           flush=True)
     res = dict(config=name, model=cfg, device=args.device, date=_now(), machine=machine,
@@ -541,7 +543,7 @@ def run_config(name, args, machine, peak):
                                         decode_max_tokens=args.decode_max_tokens,
                                         beam=args.beam, alpha=0.6, max_len_a=args.max_len_a,
                                         threads=args.threads, seed=args.seed,
-                                        max_tokens=spec["max_tokens"], ranks=args.ranks,
+                                        max_tokens=max_tokens, ranks=args.ranks,
                                         precision=args.precision))
     workers = {}
     try:
@@ -600,7 +602,7 @@ def run_config(name, args, machine, peak):
             print("   profiling 3 training steps of ours with cProfile ...", flush=True)
             res["profile"] = workers["ours"]("profile", steps=3, top=15)
 
-        res["gemm"] = {fw: workers[fw]("gemm") for fw in frameworks}
+        res["gemm"] = {fw: workers[fw]("gemm", n=args.gemm_size) for fw in frameworks}
 
         # ---- decoding ----
         for fw in frameworks:
@@ -746,12 +748,19 @@ def parse_args(argv=None):
                         "float16, torch with autocast and GradScaler); needs --device cuda")
     p.add_argument("--steps", type=int, help="timed training steps (default: 20 tiny, 8 base-lite)")
     p.add_argument("--warmup", type=int, help="untimed warm-up steps (default 3)")
+    p.add_argument("--max-tokens", type=int,
+                   help="padded source (and target) tokens per training batch (default: the "
+                        "config's, 2000 tiny, 4000 base-lite, 12000 base); smaller for a GPU "
+                        "with little memory")
     p.add_argument("--decode-sentences", type=int,
                    help="sentences to translate (default: 128 tiny, 64 base-lite)")
     p.add_argument("--decode-reps", type=int, default=3, help="timed repetitions of each search")
     p.add_argument("--decode-max-tokens", type=int, default=4096,
                    help="padded source tokens per decoding batch (translate.py's default)")
     p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--gemm-size", type=int,
+                   help="n of the n x n x n float32 matmul that measures the device's peak, the "
+                        "MFU denominator (default 8192 on cuda, 2048 on cpu)")
     p.add_argument("--max-len-a", type=int, default=0,
                    help="maximum output length = source length + this (default 0)")
     p.add_argument("--threads", type=int,
@@ -792,6 +801,11 @@ def main(argv=None):
     if args.torch and importlib.util.find_spec("torch") is None:
         sys.exit("PyTorch is needed for the comparison (bench-only, not a dependency): "
                  "pip install torch   -- or run with --no-torch to measure minitransformer only")
+    if args.gemm_size is not None and args.gemm_size < 1:
+        sys.exit(f"--gemm-size {args.gemm_size}: give a positive matrix size")
+    if args.max_tokens is not None and args.max_tokens < 64:
+        sys.exit(f"--max-tokens {args.max_tokens}: give at least 64 (a batch holds whole "
+                 "sentences of 10-30 tokens)")
     if args.precision == "float16" and args.device != "cuda":
         sys.exit("--precision float16 needs --device cuda (on a CPU NumPy's float16 products "
                  "are slow and accumulate in float16)")
@@ -816,9 +830,11 @@ def main(argv=None):
               f"processes compete for the cores, and multi-threaded BLAS/OpenMP then waits for "
               f"descheduled threads (timings many times slower, mostly noise); consider "
               f"--threads 1", flush=True)
-    gflops = common.numpy_gemm_gflops(2048)
-    peak = dict(gflops=gflops, how="numpy float32 matmul 2048^3, best of 5", device="cpu")
-    print(f"numpy float32 GEMM 2048^3: {gflops:.0f} GFLOP/s (the MFU denominator)", flush=True)
+    n_gemm = args.gemm_size or 2048
+    gflops = common.numpy_gemm_gflops(n_gemm)
+    peak = dict(gflops=gflops, how=f"numpy float32 matmul {n_gemm}^3, best of 5", device="cpu")
+    print(f"numpy float32 GEMM {n_gemm}^3: {gflops:.0f} GFLOP/s (the MFU denominator)",
+          flush=True)
     if args.device == "cuda":
         peak = None  # measured in the ours worker with CuPy, below
     results_dir = report.results_dir(args.results)
@@ -833,7 +849,7 @@ def main(argv=None):
                 res["train"][fw]["mfu"] = res["train"][fw]["flops_per_s"] / (g * 1e9)
         else:  # the best GEMM rate seen, at the start or after training (a shared machine)
             g = max(peak["gflops"], res["gemm"]["ours"]["gflops"])
-            res["peak"] = dict(gflops=g, how=f"numpy float32 matmul 2048^3, best of 5 at the "
+            res["peak"] = dict(gflops=g, how=f"numpy float32 matmul {n_gemm}^3, best of 5 at the "
                                f"start ({peak['gflops']:.0f}) and 5 after training "
                                f"({res['gemm']['ours']['gflops']:.0f})", device="cpu")
             for fw in res["train"]:

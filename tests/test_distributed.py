@@ -22,7 +22,7 @@ from minitransformer.mt import checkpoint as ckpt
 from minitransformer.mt import distributed as dist
 from minitransformer.mt import train as train_cli
 
-from conftest import REAL_GPU
+from conftest import REAL_GPU, small_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--synthetic-pairs", "1500", "--d-model", "32", "--n-heads", "2", "--d-ff", "64",
@@ -402,8 +402,9 @@ def test_nccl_ranks_equal_one_gpu_process_after_k_updates(tmp_path):
     if isinstance(n, str):
         pytest.skip(n)
     flags = SMALL + ["--dropout", "0", "--adam-eps", "1e-6", "--max-updates", str(K),
-                     "--valid-every", "1000", "--device", "cuda"]
-    one, many = str(tmp_path / "one"), str(tmp_path / "many")
+                     "--valid-every", "1000", "--device", "cuda", "--valid-bleu-sentences", "8"]
+    # a short validation set: on the CPU harness each CUDA thread of a kernel is a fiber
+    one, many = small_corpus(tmp_path / "one"), small_corpus(tmp_path / "many")
     assert train_cli.main(flags + ["--run-dir", one]) == 0
     out = run_mpi(n, *flags, "--run-dir", many, stand_in=not REAL_GPU, CUDA_ON_CPU_DEVICES="2")
     assert "allreduce" in out

@@ -16,6 +16,7 @@ from minitransformer.mt import checkpoint as ckpt
 from minitransformer.mt import train as train_cli
 from minitransformer.nn.transformer import Transformer, TransformerConfig
 
+from conftest import small_corpus
 from test_cli import SMALL
 from test_mixed_precision import _batch
 
@@ -57,9 +58,11 @@ def test_float16_model_on_the_gpu_matches_float32():
 
 
 def test_train_py_float16_on_the_gpu(tmp_path):
-    run = str(tmp_path / "r")
+    run = small_corpus(tmp_path / "r")  # a short validation set, small batches: on the
+    # CPU harness each CUDA thread of a kernel is a fiber
     assert train_cli.main(SMALL + ["--run-dir", run, "--device", DEVICE, "--precision", "float16",
-                                   "--max-updates", "40", "--valid-every", "40"]) == 0
+                                   "--max-updates", "40", "--valid-every", "40",
+                                   "--max-tokens", "300", "--valid-bleu-sentences", "8"]) == 0
     params, _, meta = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))
     assert meta["update"] == 40 and "loss_scale" in meta
     assert all(a.dtype == np.float32 and np.isfinite(a).all() for a in params.values())

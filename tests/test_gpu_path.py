@@ -119,7 +119,9 @@ def test_bench_device_cuda_runs_through_on_the_stand_in(tmp_path, precision):
     results = tmp_path / "RESULTS.md"
     cmd = [sys.executable, os.path.join(ROOT, "tests", "cuda_on_cpu", "run.py"),
            os.path.join(ROOT, "bench", "bench.py"), "--device", "cuda", "--no-torch",
-           "--precision", precision, "--steps", "2", "--warmup", "1", "--decode-sentences", "4",
+           "--precision", precision, "--steps", "2", "--warmup", "1", "--max-tokens", "200",
+           "--gemm-size", "256",
+           "--decode-sentences", "4",
            "--decode-reps", "1", "--profile", "--results", str(results)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -267,9 +267,20 @@ inline void run_block() {
         }
         if (done == n) return;
         for (unsigned t = 0; t < n; ++t)
-            if (R->fibers[t].state == AT_WARP) {
-                record("a __shfl_xor_sync that not every lane of the warp reaches "
-                       "(divergence or deadlock)", &R->fibers[t]);
+            if (R->fibers[t].state == AT_WARP) {  // and some lane of its warp is not
+                const unsigned lo = t & ~31u, hi = lo + 32 < n ? lo + 32 : n;
+                std::string what = "a __shfl_xor_sync that not every lane of the warp reaches";
+                for (unsigned u = lo; u < hi; ++u)
+                    if (R->fibers[u].state == AT_SYNC) {
+                        what += ": lane " + std::to_string(u - lo) + " waits at __syncthreads "
+                                "(line " + std::to_string(R->fibers[u].line) + "), a divergent "
+                                "barrier or a deadlock";
+                        break;
+                    } else if (R->fibers[u].state == DONE) {
+                        what += ": lane " + std::to_string(u - lo) + " has returned";
+                        break;
+                    }
+                record(what.c_str(), &R->fibers[t]);
                 return;
             }
         if (done) {

@@ -339,11 +339,30 @@ def _unary(op):
     return lambda self: _wrap(op(self._a))
 
 
+def _products_in_float32(np_fn):
+    """A float16 product as cuBLAS computes it by default (CuPy: float32 compute type):
+    float16 operands, float32 accumulation, one rounding of the result to float16. (NumPy
+    would accumulate in float16, and slowly, with no BLAS for it.)"""
+    @functools.wraps(np_fn)
+    def product(*args, **kwargs):
+        arrays = [a for a in args if isinstance(a, np.ndarray)]
+        if arrays and all(a.dtype == np.float16 for a in arrays) and "out" not in kwargs:
+            wide = [a.astype(np.float32) if isinstance(a, np.ndarray) else a for a in args]
+            return np_fn(*wide, **kwargs).astype(np.float16)
+        return np_fn(*args, **kwargs)
+    return product
+
+
+PRODUCTS = {"matmul": _products_in_float32(np.matmul), "dot": _products_in_float32(np.dot),
+            "tensordot": _products_in_float32(np.tensordot),
+            "einsum": _products_in_float32(np.einsum)}
+
+
 import operator as _op  # noqa: E402
 
 for _name, _fn in [("add", _op.add), ("sub", _op.sub), ("mul", _op.mul),
                    ("truediv", _op.truediv), ("floordiv", _op.floordiv), ("mod", _op.mod),
-                   ("pow", _op.pow), ("matmul", _op.matmul), ("and", _op.and_),
+                   ("pow", _op.pow), ("matmul", PRODUCTS["matmul"]), ("and", _op.and_),
                    ("or", _op.or_), ("xor", _op.xor), ("lshift", _op.lshift),
                    ("rshift", _op.rshift), ("divmod", divmod)]:
     setattr(ndarray, f"__{_name}__", _binary(_fn))
@@ -714,7 +733,7 @@ class _Cupy(types.ModuleType):
         if name in self._own:
             value = self._own[name]
         elif hasattr(np, name):
-            value = getattr(np, name)
+            value = PRODUCTS.get(name) or getattr(np, name)
             if callable(value) and not isinstance(value, type) and not isinstance(value, np.ufunc):
                 value = _function(name, value)
             elif isinstance(value, np.ufunc):

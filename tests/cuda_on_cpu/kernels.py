@@ -121,9 +121,9 @@ def compiler_missing():
 
 # ---- RawModule ---------------------------------------------------------------------------------
 F16_ASM = [  # the PTX asm of the row kernels, and an exact host replacement
-    (r'asm\("cvt\.f32\.f16 %0, %1;" : "=f"\((\w+)\) : "h"\(([\w.]+)\)\);',
+    (r'asm\("cvt\.f32\.f16 %0, %1;" : "=f"\(([\w.\[\]]+)\) : "h"\(([\w.\[\]]+)\)\);',
      r"\1 = sim::f16_bits_to_float(\2);"),
-    (r'asm\("cvt\.rn\.f16\.f32 %0, %1;" : "=h"\(([\w.]+)\) : "f"\((\w+)\)\);',
+    (r'asm\("cvt\.rn\.f16\.f32 %0, %1;" : "=h"\(([\w.\[\]]+)\) : "f"\(([\w.\[\]]+)\)\);',
      r"\1 = sim::float_to_f16_bits_rn(\2);"),
 ]
 SHARED = re.compile(r"__shared__\s+([\w:<>]+)\s+(\w+)\[(\w+)\];")
