@@ -47,7 +47,8 @@ def test_gradients_accumulate_across_backward_calls(xp, arrays, assert_close):
     w = arrays.randn(2, 3)
     (x * Tensor(w)).sum().backward()  # graph 1
     (x * x).sum().backward()          # graph 2, built fresh
-    assert_close(x.grad, arrays.numpy(w) + 2 * x.numpy(), 1e-15, 0, "sum of the two backward passes")
+    assert_close(x.grad, arrays.numpy(w) + 2 * x.numpy(), 1e-15, 0,
+                 "sum of the two backward passes")
 
 
 def test_zero_grad(xp, arrays):

@@ -228,7 +228,8 @@ def test_float16_conversions_are_exact():
                         (h[np.isfinite(h)].astype(np.float32)
                          + np.float32(1e-3) * rng.standard_normal(np.isfinite(h).sum())
                          .astype(np.float32)),
-                        np.float32([65504, 65519.99, 65520, 1e9, -1e9, 2.0 ** -25, 3 * 2.0 ** -26])])
+                        np.float32([65504, 65519.99, 65520, 1e9, -1e9, 2.0 ** -25,
+                                    3 * 2.0 ** -26])])
     back = np.zeros(x.size, np.float16)
     module.get_function("narrow")((64,), (256,), (x, back, np.int32(x.size)))
     with np.errstate(over="ignore"):  # 1e9 -> inf, on purpose

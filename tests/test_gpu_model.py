@@ -62,7 +62,7 @@ def test_train_py_float16_on_the_gpu(tmp_path):
     # CPU harness each CUDA thread of a kernel is a fiber
     assert train_cli.main(SMALL + ["--run-dir", run, "--device", DEVICE, "--precision", "float16",
                                    "--max-updates", "40", "--valid-every", "40",
-                                   "--max-tokens", "300", "--valid-bleu-sentences", "8"]) == 0
+                                   "--max-tokens", "200", "--valid-bleu-sentences", "8"]) == 0
     params, _, meta = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))
     assert meta["update"] == 40 and "loss_scale" in meta
     assert all(a.dtype == np.float32 and np.isfinite(a).all() for a in params.values())

@@ -13,6 +13,8 @@
   every ``ndarray`` attribute and every keyword argument is checked against the CuPy that is
   installed (``pip install cupy-cuda12x`` imports without a GPU): a NumPy-only function,
   method or keyword on the GPU path raises AttributeError / TypeError naming it;
+- float16 products (``matmul``, ``dot``, ``tensordot``, ``einsum``, ``@``) accumulate in
+  float32 and round once, as cuBLAS does with CuPy's defaults;
 - ``RawModule`` and ``ElementwiseKernel`` compile the CUDA source with the host C++ compiler
   against ``cuda_on_cpu.h`` (``kernels.py``), so the kernels themselves run;
 - ``cupy.random.RandomState`` draws from NumPy's Philox (not cuRAND's streams),
@@ -459,7 +461,8 @@ class RawModule:
     def get_function(self, name):
         fn = self._m.get_function(name)
 
-        def launch(grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
+        def launch(grid, block, args, *, shared_mem=0, stream=None,
+                   enable_cooperative_groups=False):
             return fn(grid, block, _unwrap(tuple(args), f"RawKernel {name}"))
         return launch
 
