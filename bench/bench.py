@@ -16,7 +16,8 @@ How it measures (details in bench/RESULTS.md, "Method"):
   compared) and the same initial weights (ours writes them, torch loads them), and their
   no-dropout loss on the first batch is compared before training starts.
 * Training: one step = forward, backward of loss_sum / n_tokens, Adam (0.9, 0.98, 1e-9) with
-  the paper's learning rate at that step. Target tokens/s = non-padding target tokens / step
+  the paper's learning rate at that step; ours is train.py's own update (mt/step.py: backward
+  of loss_sum, the gradient then divided by n_tokens). Target tokens/s = non-padding target tokens / step
   time; median over the steps after the warm-up ones.
 * ``--ranks N`` adds two training-only workers of N processes with one thread each, bound
   to one core each: ours under mpiexec with the package's MPI all-reduce, exactly as
@@ -173,34 +174,14 @@ class OursRunner(Runner):
                                  ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")})
 
     def step(self, b, lr):
-        from minitransformer.optim import scale_gradients  # as mt.train.Trainer.train_update
-        self.model.train()
-        if self.comm is not None:  # as mt.train.Trainer.train_update with N ranks
+        """train.py's update (minitransformer/mt/step.py) on batch b, this rank's rows of it
+        under --ranks (an empty share still joins the all-reduce)."""
+        from minitransformer.mt.step import train_step
+        if self.comm is not None:
             b = common.shard_rows(b, self.comm.rank, self.comm.size, self.cfg["pad_id"])
-            loss_sum, n = 0.0, 0
-            if b is not None:  # an empty share sends zero gradients, as in train.py
-                loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
-                loss.backward()  # d(loss_sum); summed over ranks, then divided by all tokens
-                loss_sum = float(loss.data)
-            loss_sum, n = self.comm.allreduce_grads(self.model.parameters(), loss_sum, n,
-                                                    flat_grad=self.opt.flat_grad())
-            scale_gradients(self.opt.gradients(), 1.0 / n)
-            self.opt.lr = lr
-            self.opt.step()
-            self.opt.zero_grad()
-            return loss_sum, n
-        loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
-        self.opt.lr = lr
-        if self.scaler is not None:  # as mt.train.Trainer.train_update in float16
-            loss.backward(self.scaler.scale)
-            if scale_gradients(self.opt.gradients(), 1.0 / n, self.scaler):
-                self.opt.step()
-            self.opt.zero_grad()
-            return float(loss.data), n
-        loss.backward(self.xp.asarray(1.0 / n, dtype=loss.dtype))  # d(loss_sum / n)
-        self.opt.step()
-        self.opt.zero_grad()
-        return float(loss.data), n
+        result = train_step(self.model, self.opt, [] if b is None else [b], lr,
+                            scaler=self.scaler, comm=self.comm)
+        return result.loss_sum, result.tokens
 
     def eval_loss(self, i=0):
         from minitransformer import no_grad

@@ -19,11 +19,11 @@ import numpy as np
 from .. import backend
 from ..engine.tensor import no_grad
 from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
-from ..optim import (Adam, DynamicLossScaler, LossScaleCollapse, clip_grad_norm, linear_decay_lr,
-                     noam_lr, scale_gradients)
+from ..optim import Adam, DynamicLossScaler, LossScaleCollapse, linear_decay_lr, noam_lr
 from . import checkpoint as ckpt
 from .data import Batches, DataError, collate, read_parallel
 from .fileio import atomic_write_text
+from .step import train_step
 from .options import MODEL_FLAGS, PER_PROCESS, build_parser, option_names, parse_args
 from .tokenizer import SubwordSampler, Tokenizer, train_sentencepiece
 from .translation import corpus_bleu, translate_lines
@@ -274,47 +274,26 @@ class Trainer:
         return noam_lr(update, self.cfg.d_model, a.warmup, a.lr_factor)
 
     def train_update(self):
-        """One update: update_freq batches, gradients summed, then divided by the number of
-        target tokens (over all ranks), clipped, and one Adam step. -> (loss_sum, tokens).
-
-        In float16 (``--precision float16``) backward starts from the loss scale S and the
-        gradients are divided by it again; an update whose gradients overflowed is skipped
-        (``self.update`` does not advance) and S is halved (optim/loss_scale.py)."""
-        self.model.train()
+        """One update (mt/step.py) over the next ``--update-freq`` batches, this rank's share
+        of each under mpiexec. -> (loss_sum, tokens) over all ranks. An update whose float16
+        gradients overflowed is skipped: ``self.update`` does not advance."""
         if self.comm:  # each rank its own dropout masks, a function of (seed, rank, update)
             self.model.rng.seed(self.comm.dropout_seed(self.args.seed, self.update))
-        loss_sum, n_tok = 0.0, 0
+        result = train_step(self.model, self.optim, self._update_batches(),
+                            self.lr_at(self.update + 1), scaler=self.scaler, comm=self.comm,
+                            clip_norm=self.args.clip_norm)
+        if result.applied:
+            self.update += 1
+        return result.loss_sum, result.tokens
+
+    def _update_batches(self):
+        """The update's batches, collated, one at a time (this rank's rows under mpiexec)."""
         for _ in range(self.args.update_freq):
             batch = next(self.batch_iter)
             if self.comm:
                 batch = self.comm.shard(batch)
-            if not batch:
-                continue
-            b = collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id)
-            loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
-            if self.scaler is None:
-                loss.backward()
-            else:  # an overflow is expected now and then: the scaler handles it, quietly
-                with np.errstate(over="ignore", invalid="ignore"):
-                    loss.backward(self.scaler.scale)
-            # kept on the device until the update is queued (or, under mpiexec, until the
-            # all-reduce, which waits for backward anyway): reading it waits for the GPU
-            loss_sum, n_tok = loss_sum + loss.data.astype(np.float64), n_tok + n
-        if self.comm:  # (Adam's flat buffer, when the gradients are one, summed in place)
-            loss_sum, n_tok = self.comm.allreduce_grads(self.params, float(loss_sum), n_tok,
-                                                        flat_grad=self.optim.flat_grad())
-        grads = self.optim.gradients()  # the flat buffer as one array, while it is one
-        # (after the all-reduce, so every rank sees the same inf and decides alike)
-        if not scale_gradients(grads, 1.0 / max(n_tok, 1), self.scaler):
-            self.optim.zero_grad()  # float16 gradients overflowed: the update is skipped
-            return float(loss_sum), n_tok
-        if self.args.clip_norm > 0:
-            clip_grad_norm(self.params, self.args.clip_norm, grads=grads)
-        self.update += 1
-        self.optim.lr = self.lr_at(self.update)
-        self.optim.step()
-        self.optim.zero_grad()
-        return float(loss_sum), n_tok
+            if batch:
+                yield collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id)
 
     def validate(self):
         """Validation loss per token (no dropout) and greedy BLEU on the first N sentences."""
