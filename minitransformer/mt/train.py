@@ -24,7 +24,8 @@ from . import checkpoint as ckpt
 from .data import Batches, DataError, collate, read_parallel
 from .fileio import atomic_write_text
 from .step import train_step
-from .options import MODEL_FLAGS, PER_PROCESS, build_parser, option_names, parse_args
+from .options import (MODEL_FLAGS, check_options, fill_defaults, parse_args,
+                      restore_for_resume, run_options)
 from .tokenizer import SubwordSampler, Tokenizer, train_sentencepiece
 from .translation import corpus_bleu, translate_lines
 
@@ -32,13 +33,49 @@ from .translation import corpus_bleu, translate_lines
 class Log:
     """tqdm bar on a terminal, plain lines otherwise; JSONL metrics in the run directory."""
 
-    def __init__(self, path, total, progress, enabled=True):
-        self.enabled = enabled
+    def __init__(self, path, total, progress, enabled=True, comm=None):
+        self.enabled, self.comm = enabled, comm
         self.file = open(path, "a", encoding="utf-8") if enabled else None
         self.bar = None
         if enabled and progress and sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total or None, unit="upd", dynamic_ncols=True)
+        # the window a log line averages over: the updates since the previous line
+        self.loss, self.tokens, self.seconds, self.updates = 0.0, 0, 0.0, 0
+        self.allreduce_s = 0.0  # the communicator's all-reduce seconds at the window's start
+
+    def add_update(self, loss_sum, tokens, seconds):
+        """One update (applied or skipped) into the window."""
+        self.loss += loss_sum
+        self.tokens += tokens
+        self.seconds += seconds
+        self.updates += 1
+
+    def update_line(self, update, epoch, lr, train_time, loss_scale=None):
+        """The metrics record and log line of update ``update``, over the window since the
+        previous line: loss and ppl per target token, tokens/s of update time; under mpiexec
+        the all-reduce's and the whole update's seconds per update. Starts a new window."""
+        loss = self.loss / max(self.tokens, 1)
+        rec = {"update": update, "epoch": epoch, "loss": loss, "ppl": math.exp(min(loss, 50)),
+               "lr": lr, "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+               "time": train_time}
+        if loss_scale is not None:
+            rec["loss_scale"] = loss_scale
+        if self.comm:
+            rec["allreduce_s"] = (self.comm.allreduce_s - self.allreduce_s) / self.updates
+            rec["update_s"] = self.seconds / self.updates
+        self.metrics(rec)
+        text = (f"loss {loss:.3f} ppl {rec['ppl']:.1f} lr {rec['lr']:.2e} "
+                f"tok/s {rec['tokens_per_s']:.0f}")
+        if self.comm:
+            text += (f" allreduce {rec['allreduce_s'] * 1e3:.1f} ms of "
+                     f"{rec['update_s'] * 1e3:.1f} ms/update")
+        if self.bar is not None:
+            self.progress(update, text)
+        else:
+            self.info(f"update {update} epoch {epoch} {text}")
+        self.loss, self.tokens, self.seconds, self.updates = 0.0, 0, 0.0, 0
+        self.allreduce_s = self.comm.allreduce_s if self.comm else 0.0
 
     def metrics(self, record):
         if self.enabled:
@@ -65,6 +102,24 @@ class Log:
             self.file.close()
 
 
+class StopSignals:
+    """Within ``with StopSignals() as stop:`` SIGINT and SIGTERM set ``stop.signum`` instead
+    of ending the process, so the loop can finish its update and save."""
+
+    def __enter__(self):
+        self.signum = None
+        self._saved = {s: signal.signal(s, self._on_signal)
+                       for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _on_signal(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, handler in self._saved.items():
+            signal.signal(s, handler)
+
+
 # Where --precision float16 may run. NumPy has no float16 matrix product that accumulates in
 # float32 (as GPU tensor cores do): its own rounds every partial sum to float16, so long sums
 # overflow, and it is ~100x slower than float32. The tests widen this to run the logic on a CPU.
@@ -72,6 +127,9 @@ FLOAT16_DEVICES = ("cuda",)
 
 
 class Trainer:
+    """One training run: set up from the flags (data, vocabulary, model, optimizer; or the
+    state of the run being resumed), then ``run()`` the loop and ``test()`` the result."""
+
     def __init__(self, args, comm=None):
         self.args, self.comm = args, comm
         self.rank = comm.rank if comm else 0
@@ -86,113 +144,56 @@ class Trainer:
                              f"device is {device}, where NumPy's float16 matrix products are "
                              "slow and round every partial sum to float16: use float32 here")
         self.run_dir = args.run_dir
+        self._open_run_dir()
+        fill_defaults(args)
+        check_options(args)
+        self._prepare_data()
+        self.cfg = self._model_config()
+        if self.main and not args.resume:
+            atomic_write_text(os.path.join(self.run_dir, "config.json"), json.dumps(
+                {"model": dataclasses.asdict(self.cfg), "train": run_options(args)},
+                indent=2, sort_keys=True))
+        self._build_model()
+
+    def _open_run_dir(self):
+        """--run-dir: a new run there, or with --resume the run it holds (whose options then
+        fill in those this command line does not give). Nothing in it is overwritten."""
         os.makedirs(self.run_dir, exist_ok=True)
         resume_path = os.path.join(self.run_dir, "checkpoint_last.npz")
         cfg_path = os.path.join(self.run_dir, "config.json")
-        if args.resume:
+        if self.args.resume:
             if not os.path.exists(resume_path) or not os.path.exists(cfg_path):
                 raise SystemExit(f"error: --resume: no checkpoint_last.npz and config.json in "
                                  f"--run-dir {self.run_dir}; start without --resume")
-            saved = json.load(open(cfg_path))
-            self._check_resume_flags(saved)
+            restore_for_resume(self.args, json.load(open(cfg_path)), self.run_dir)
         elif os.path.exists(resume_path):
             raise SystemExit(f"error: --run-dir {self.run_dir} already holds a run "
                              "(checkpoint_last.npz); pass --resume to continue it or choose "
                              "another --run-dir (nothing was overwritten)")
-        self._fill_defaults()
-        if args.lr_schedule == "linear" and not args.max_updates > args.warmup:
-            raise SystemExit("error: --lr-schedule linear decays to 0 at --max-updates; "
-                             f"give --max-updates N with N > --warmup ({args.warmup})")
-        if not args.subword_alpha >= 0:  # NaN too
-            raise SystemExit(f"error: --subword-alpha must be >= 0 (0 = off), got "
-                             f"{args.subword_alpha}")
-        if args.subword_alpha > 0 and args.spm_type != "unigram":
-            raise SystemExit(f"error: --subword-alpha samples segmentations of a unigram model; "
-                             f"this run's --spm-type is {args.spm_type}: add --spm-type unigram "
-                             "(in a new --run-dir) or drop --subword-alpha")
-        self._prepare_data()
-        self.cfg = self._model_config()
-        if self.main and not args.resume:
-            atomic_write_text(cfg_path, json.dumps(
-                {"model": dataclasses.asdict(self.cfg), "train": self._train_options()},
-                indent=2, sort_keys=True))
-        half = args.precision == "float16"
-        self.model = Transformer(self.cfg, seed=args.seed, device=device,
+
+    def _build_model(self):
+        """The model, Adam and (float16) the loss scaler: new, or as the resumed run left
+        them; under mpiexec every rank then holds rank 0's parameters."""
+        a, half = self.args, self.args.precision == "float16"
+        self.model = Transformer(self.cfg, seed=a.seed, device=self.device,
                                  compute_dtype=np.float16 if half else None)
-        self.scaler = DynamicLossScaler(args.loss_scale_init, 2.0, args.loss_scale_window,
-                                        args.min_loss_scale) if half else None
+        self.scaler = DynamicLossScaler(a.loss_scale_init, 2.0, a.loss_scale_window,
+                                        a.min_loss_scale) if half else None
         self.params = self.model.parameters()
-        self.optim = Adam(self.params, lr=0.0, betas=tuple(args.adam_betas), eps=args.adam_eps)
+        self.optim = Adam(self.params, lr=0.0, betas=tuple(a.adam_betas), eps=a.adam_eps)
         self.update, self.best_bleu = 0, -1.0
         self.train_time = 0.0
-        if args.resume:
-            self._load(resume_path)
-        if comm is not None:  # every rank starts from rank 0's parameters
-            comm.broadcast_params(self.params)
+        if a.resume:
+            self._load(os.path.join(self.run_dir, "checkpoint_last.npz"))
+        if self.comm is not None:
+            self.comm.broadcast_params(self.params)
 
     # ---- set-up --------------------------------------------------------------------------
-    def _check_resume_flags(self, saved):
-        parser = build_parser()
-        for name in MODEL_FLAGS + ["preset", "vocab_size", "data", "src_lang", "tgt_lang", "seed",
-                                   "subword_alpha", "subword_nbest"]:
-            if name in self.args.explicit:
-                # a run saved before the option existed ran with its default
-                old = saved["train"].get(name, saved["model"].get(name, parser.get_default(name)))
-                if old != getattr(self.args, name):
-                    raise SystemExit(f"error: --{name.replace('_', '-')} "
-                                     f"{getattr(self.args, name)!r} differs from the run being "
-                                     f"resumed ({old!r} in {self.run_dir}/config.json); drop the "
-                                     "flag or start a new --run-dir")
-        # everything else the run was started with, unless given again on this command line
-        for name, value in saved["train"].items():
-            if name not in self.args.explicit:
-                setattr(self.args, name, value)
-
-    def _train_options(self):
-        """Every option but the model's (saved under "model") and those about this process
-        only; ``--resume`` restores them, so a resumed run keeps its stopping rule, schedule,
-        checkpointing and test settings."""
-        return {k: getattr(self.args, k) for k in sorted(option_names())
-                if k not in MODEL_FLAGS and k not in PER_PROCESS}
-
-    def _fill_defaults(self):
-        """Options left unset get the defaults of the data source."""
-        if self.args.data is None:  # the default run: 90+ BLEU in about 5 minutes on 2 cores
-            defaults = dict(vocab_size=1000, spm_type="bpe", warmup=300, max_updates=600,
-                            valid_every=200)
-        else:
-            defaults = dict(vocab_size=8000, spm_type="unigram", warmup=4000, max_updates=0,
-                            valid_every=500)
-        for name, value in defaults.items():
-            if getattr(self.args, name) is None:
-                setattr(self.args, name, value)
-
     def _prepare_data(self):
+        """Corpus files, the sentencepiece model (trained on the first run), the training
+        batches (with subword sampling when asked) and the validation set."""
         a = self.args
-        if a.data is None:
-            from .synthetic import write_corpus
-            a.src_lang, a.tgt_lang = a.src_lang or "src", a.tgt_lang or "tgt"
-            data_dir = os.path.join(self.run_dir, "data")
-            complete = all(os.path.exists(os.path.join(data_dir, f"{split}.{side}"))
-                           for split in ("train", "valid", "test") for side in ("src", "tgt"))
-            if self.main and not complete:
-                os.makedirs(data_dir, exist_ok=True)
-                write_corpus(data_dir, seed=1234, n_train=a.synthetic_pairs)
-            if self.comm:
-                self.comm.barrier()
-            self.data_dir = data_dir
-        else:
-            if not os.path.isdir(a.data):
-                raise DataError(f"--data {a.data}: no such directory")
-            if not (a.src_lang and a.tgt_lang):
-                raise DataError("--data needs --src-lang and --tgt-lang (the file suffixes, "
-                                "e.g. en and de for train.en / train.de)")
-            self.data_dir = a.data
-        self.files = {}
-        for split in (a.train_split, a.valid_split, a.test_split):
-            if split:
-                self.files[split] = tuple(os.path.join(self.data_dir, f"{split}.{lang}")
-                                          for lang in (a.src_lang, a.tgt_lang))
+        self._find_corpus()
         src, tgt, stats = read_parallel(*self.files[a.train_split])
         self.spm_path = os.path.join(self.run_dir, "spm.model")
         if self.main and not os.path.exists(self.spm_path):
@@ -222,6 +223,35 @@ class Trainer:
             self.valid = (vs, vt)
             self.valid_batches = Batches(self.tok.encode(vs), self.tok.encode(vt), a.max_tokens,
                                          max_len=10 ** 9, seed=0, shuffle=False)
+
+    def _find_corpus(self):
+        """``self.files``: split -> (source, target) paths, in --data or, without it, in the
+        synthetic corpus generated once in RUN_DIR/data."""
+        a = self.args
+        if a.data is None:
+            from .synthetic import write_corpus
+            a.src_lang, a.tgt_lang = a.src_lang or "src", a.tgt_lang or "tgt"
+            data_dir = os.path.join(self.run_dir, "data")
+            complete = all(os.path.exists(os.path.join(data_dir, f"{split}.{side}"))
+                           for split in ("train", "valid", "test") for side in ("src", "tgt"))
+            if self.main and not complete:
+                os.makedirs(data_dir, exist_ok=True)
+                write_corpus(data_dir, seed=1234, n_train=a.synthetic_pairs)
+            if self.comm:
+                self.comm.barrier()
+            self.data_dir = data_dir
+        else:
+            if not os.path.isdir(a.data):
+                raise DataError(f"--data {a.data}: no such directory")
+            if not (a.src_lang and a.tgt_lang):
+                raise DataError("--data needs --src-lang and --tgt-lang (the file suffixes, "
+                                "e.g. en and de for train.en / train.de)")
+            self.data_dir = a.data
+        self.files = {}
+        for split in (a.train_split, a.valid_split, a.test_split):
+            if split:
+                self.files[split] = tuple(os.path.join(self.data_dir, f"{split}.{lang}")
+                                          for lang in (a.src_lang, a.tgt_lang))
 
     def _log_early(self, text):
         if self.main:
@@ -301,103 +331,35 @@ class Trainer:
         with no_grad():
             self.model.eval()
             for idx in self.valid_batches.epoch_batches(0):
-                b = collate(self.valid_batches.pairs(idx), self.tok.pad_id, self.tok.bos_id, self.tok.eos_id)
+                b = collate(self.valid_batches.pairs(idx), self.tok.pad_id, self.tok.bos_id,
+                            self.tok.eos_id)
                 loss, n = self.model.loss(b["src"], b["tgt_in"], b["tgt_out"])
                 loss_sum, n_tok = loss_sum + float(loss.data), n_tok + n
         vs, vt = self.valid
         n = self.args.valid_bleu_sentences or len(vs)
-        hyps = translate_lines(self.model, self.tok, vs[:n], beam=1, max_tokens=self.args.max_tokens)
+        hyps = translate_lines(self.model, self.tok, vs[:n], beam=1,
+                               max_tokens=self.args.max_tokens)
         bleu, _ = corpus_bleu(hyps, vt[:n])
         return loss_sum / max(n_tok, 1), bleu
 
     def run(self):
-        a = self.args
-        stop = {"signal": None}
-
-        def on_signal(signum, frame):
-            stop["signal"] = signum
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        log = Log(os.path.join(self.run_dir, "metrics.jsonl"), a.max_updates,
-                  not a.no_progress, enabled=self.main)
+        """Train until a stopping rule (--max-updates / --max-epochs / --max-time) or a
+        signal. -> True when training finished, False when a signal stopped it (the state
+        is then saved in checkpoint_last.npz, to continue with --resume)."""
+        log = Log(os.path.join(self.run_dir, "metrics.jsonl"), self.args.max_updates,
+                  not self.args.no_progress, enabled=self.main, comm=self.comm)
         log.info(f"model: {count_parameters(self.model):,} parameters, config "
                  f"{json.dumps(dataclasses.asdict(self.cfg))}")
         self.batch_iter = iter(self.batches)
-        window_loss, window_tok, window_t = 0.0, 0, 0.0
-        window_n, window_ar = 0, 0.0  # updates and all-reduce seconds since the last log line
-        start = time.perf_counter() - self.train_time
-        reason = "done"
-        try:
-            while True:
-                elapsed = time.perf_counter() - start
-                if self.comm:  # all ranks stop together: rank 0's clock, a signal on any rank
-                    elapsed, agreed = self.comm.agree_to_stop(elapsed, stop["signal"])
-                    if agreed is not None:  # (a signal arriving meanwhile stays in stop)
-                        stop["signal"] = agreed
-                        break
-                if a.max_updates and self.update >= a.max_updates:
-                    reason = f"reached --max-updates {a.max_updates}"
-                    break
-                if a.max_epochs and self.batches.state_dict()["epoch"] >= a.max_epochs:
-                    reason = f"reached --max-epochs {a.max_epochs}"
-                    break
-                if a.max_time and elapsed >= a.max_time * 60:
-                    reason = f"reached --max-time {a.max_time} min"
-                    break
-                t0, before = time.perf_counter(), self.update
-                loss_sum, n_tok = self.train_update()
-                window_t += time.perf_counter() - t0  # tokens/s counts update time only
-                self.train_time = time.perf_counter() - start
-                window_loss += loss_sum
-                window_tok += n_tok
-                window_n += 1
-                if self.update == before:  # float16: gradients overflowed, update skipped
-                    log.info(f"update {self.update + 1}: float16 gradients overflowed; update "
-                             f"skipped, loss scale now {self.scaler.scale:g}")
-                    if stop["signal"] is not None and not self.comm:
-                        break
-                    continue
-                if stop["signal"] is not None and not self.comm:  # (ranks: at the loop's top)
-                    break
-                if self.update % a.log_every == 0 or self.update == 1:
-                    loss = window_loss / max(window_tok, 1)
-                    rec = {"update": self.update, "epoch": self.batches.state_dict()["epoch"],
-                           "loss": loss, "ppl": math.exp(min(loss, 50)), "lr": self.optim.lr,
-                           "tokens_per_s": window_tok / max(window_t, 1e-9),
-                           "time": self.train_time}
-                    if self.scaler is not None:
-                        rec["loss_scale"] = self.scaler.scale
-                    if self.comm:  # seconds per update spent summing gradients, of the whole
-                        rec["allreduce_s"] = (self.comm.allreduce_s - window_ar) / window_n
-                        rec["update_s"] = window_t / window_n
-                    log.metrics(rec)
-                    text = (f"loss {loss:.3f} ppl {rec['ppl']:.1f} lr {rec['lr']:.2e} "
-                            f"tok/s {rec['tokens_per_s']:.0f}")
-                    if self.comm:
-                        text += (f" allreduce {rec['allreduce_s'] * 1e3:.1f} ms of "
-                                 f"{rec['update_s'] * 1e3:.1f} ms/update")
-                    if log.bar is not None:
-                        log.progress(self.update, text)
-                    else:
-                        log.info(f"update {self.update} epoch {rec['epoch']} {text}")
-                    window_loss, window_tok, window_t = 0.0, 0, 0.0
-                    window_n, window_ar = 0, self.comm.allreduce_s if self.comm else 0.0
-                if self.valid is not None and self.update % a.valid_every == 0:
-                    self._validate_and_save(log)
-                elif a.save_every and self.update % a.save_every == 0:
-                    self.save(f"checkpoint_{self.update}.npz")
-                    self.save("checkpoint_last.npz")
-                    ckpt.prune_checkpoints(self.run_dir, a.keep_last)
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-        if stop["signal"] is not None:
+        with StopSignals() as stop:
+            reason = self._loop(log, stop)
+        if stop.signum is not None:
             self.save("checkpoint_last.npz")
-            name = signal.Signals(stop["signal"]).name
-            log.info(f"{name}: stopped at update {self.update}; saved "
-                     f"{self.run_dir}/checkpoint_last.npz; continue with --resume")
+            log.info(f"{signal.Signals(stop.signum).name}: stopped at update {self.update}; "
+                     f"saved {self.run_dir}/checkpoint_last.npz; continue with --resume")
             log.close()
             return False
-        if self.valid is not None and self.update % a.valid_every != 0:
+        if self.valid is not None and self.update % self.args.valid_every != 0:
             self._validate_and_save(log)
         else:
             self.save("checkpoint_last.npz")
@@ -405,6 +367,55 @@ class Trainer:
                  f"{self.train_time:.0f} s")
         log.close()
         return True
+
+    def _loop(self, log, stop):
+        """Updates until a stopping rule (-> its description) or a signal (-> None)."""
+        start = time.perf_counter() - self.train_time
+        while True:
+            reason = self._stop_reason(time.perf_counter() - start, stop)
+            if reason is not None:
+                return reason
+            t0, before = time.perf_counter(), self.update
+            loss_sum, n_tok = self.train_update()
+            log.add_update(loss_sum, n_tok, time.perf_counter() - t0)  # update time only
+            self.train_time = time.perf_counter() - start
+            if self.update == before:  # float16: gradients overflowed, update skipped
+                log.info(f"update {self.update + 1}: float16 gradients overflowed; update "
+                         f"skipped, loss scale now {self.scaler.scale:g}")
+            if stop.signum is not None and not self.comm:  # (ranks: at the loop's top)
+                return None
+            if self.update != before:
+                self._after_update(log)
+
+    def _stop_reason(self, elapsed, stop):
+        """Why training stops before the next update, or None to go on. Under mpiexec all
+        ranks stop together: rank 0's clock decides, and a signal on any rank."""
+        a = self.args
+        if self.comm:
+            elapsed, agreed = self.comm.agree_to_stop(elapsed, stop.signum)
+            if agreed is not None:  # (a signal arriving meanwhile stays in stop)
+                stop.signum = agreed
+                return "signal"
+        if a.max_updates and self.update >= a.max_updates:
+            return f"reached --max-updates {a.max_updates}"
+        if a.max_epochs and self.batches.state_dict()["epoch"] >= a.max_epochs:
+            return f"reached --max-epochs {a.max_epochs}"
+        if a.max_time and elapsed >= a.max_time * 60:
+            return f"reached --max-time {a.max_time} min"
+        return None
+
+    def _after_update(self, log):
+        """The log line, validation and checkpoints due after update ``self.update``."""
+        a = self.args
+        if self.update % a.log_every == 0 or self.update == 1:
+            log.update_line(self.update, self.batches.state_dict()["epoch"], self.optim.lr,
+                            self.train_time, self.scaler.scale if self.scaler else None)
+        if self.valid is not None and self.update % a.valid_every == 0:
+            self._validate_and_save(log)
+        elif a.save_every and self.update % a.save_every == 0:
+            self.save(f"checkpoint_{self.update}.npz")
+            self.save("checkpoint_last.npz")
+            ckpt.prune_checkpoints(self.run_dir, a.keep_last)
 
     def _validate_and_save(self, log):
         loss, bleu = self.validate() if self.main else (0.0, 0.0)
@@ -435,7 +446,8 @@ class Trainer:
             what = f"average of {len(paths)} checkpoints"
         else:
             best = os.path.join(self.run_dir, "checkpoint_best.npz")
-            path = best if os.path.exists(best) else os.path.join(self.run_dir, "checkpoint_last.npz")
+            path = best if os.path.exists(best) else os.path.join(self.run_dir,
+                                                                  "checkpoint_last.npz")
             params = ckpt.load_checkpoint(path)[0]
             what = os.path.basename(path)
         self.model.load_state_dict(params)
