@@ -69,8 +69,9 @@ def load_checkpoint(path):
     return params, optim, meta
 
 
-def check_compatible(path, meta, cfg, spm_sha=None):
-    """Raise CheckpointError when the checkpoint's config or vocabulary differs from ours."""
+def check_compatible(path, meta, cfg):
+    """Raise CheckpointError when the checkpoint's model config differs from ``cfg`` (its
+    vocabulary is checked by RunDir.check_vocabulary)."""
     theirs = TransformerConfig.from_dict(meta["config"])
     if theirs != cfg:
         diff = {k: (getattr(theirs, k), getattr(cfg, k)) for k in vars(cfg)
@@ -78,10 +79,6 @@ def check_compatible(path, meta, cfg, spm_sha=None):
         raise CheckpointError(f"checkpoint {path} was trained with a different model config: "
                               + ", ".join(f"{k}: checkpoint {a!r} vs requested {b!r}"
                                           for k, (a, b) in diff.items()))
-    if spm_sha is not None and meta.get("spm_sha256") not in (None, spm_sha):
-        raise CheckpointError(f"checkpoint {path} was trained with a different sentencepiece "
-                              "vocabulary than the spm.model beside it; use the run directory "
-                              "it came from")
 
 
 def periodic_checkpoints(run_dir):

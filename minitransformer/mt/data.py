@@ -9,6 +9,7 @@ Shape letters: B sentences in a batch, S source length (EOS included), T target 
 EOS included).
 """
 import os
+import sys
 
 import numpy as np
 
@@ -23,18 +24,22 @@ def read_lines(path):
     """All lines of a UTF-8 text file, each stripped of surrounding whitespace.
 
     Lines end at "\\n" only ("\\r\\n" works: strip() removes the "\\r"); tabs and no-break
-    spaces inside a line are kept. A UTF-8 byte-order mark at the start is dropped.
+    spaces inside a line are kept. A UTF-8 byte-order mark at the start is dropped. ``-``
+    reads standard input.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
+    if path == "-":
+        data, path = sys.stdin.buffer.read(), "<stdin>"
+    elif not os.path.exists(path):
         raise DataError(f"{path}: no such file; check the path")
-    if not os.path.isfile(path):
+    elif not os.path.isfile(path):
         raise DataError(f"{path}: not a regular file; give the path of a text file")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot be read ({exc.strerror})") from None
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise DataError(f"{path}: cannot be read ({exc.strerror})") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -23,9 +23,10 @@ from ..optim import Adam, DynamicLossScaler, LossScaleCollapse, linear_decay_lr,
 from . import checkpoint as ckpt
 from .data import Batches, DataError, collate, read_parallel
 from .fileio import atomic_write_text
-from .step import train_step
 from .options import (MODEL_FLAGS, check_options, fill_defaults, parse_args,
                       restore_for_resume, run_options)
+from .rundir import RunDir
+from .step import train_step
 from .tokenizer import SubwordSampler, Tokenizer, train_sentencepiece
 from .translation import corpus_bleu, translate_lines
 
@@ -144,29 +145,26 @@ class Trainer:
                              f"device is {device}, where NumPy's float16 matrix products are "
                              "slow and round every partial sum to float16: use float32 here")
         self.run_dir = args.run_dir
+        self.rd = RunDir(args.run_dir)
         self._open_run_dir()
         fill_defaults(args)
         check_options(args)
         self._prepare_data()
         self.cfg = self._model_config()
         if self.main and not args.resume:
-            atomic_write_text(os.path.join(self.run_dir, "config.json"), json.dumps(
-                {"model": dataclasses.asdict(self.cfg), "train": run_options(args)},
-                indent=2, sort_keys=True))
+            self.rd.write_config(dataclasses.asdict(self.cfg), run_options(args))
         self._build_model()
 
     def _open_run_dir(self):
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
         fill in those this command line does not give). Nothing in it is overwritten."""
         os.makedirs(self.run_dir, exist_ok=True)
-        resume_path = os.path.join(self.run_dir, "checkpoint_last.npz")
-        cfg_path = os.path.join(self.run_dir, "config.json")
         if self.args.resume:
-            if not os.path.exists(resume_path) or not os.path.exists(cfg_path):
+            if not self.rd.holds_run() or not os.path.exists(self.rd.config):
                 raise SystemExit(f"error: --resume: no checkpoint_last.npz and config.json in "
                                  f"--run-dir {self.run_dir}; start without --resume")
-            restore_for_resume(self.args, json.load(open(cfg_path)), self.run_dir)
-        elif os.path.exists(resume_path):
+            restore_for_resume(self.args, self.rd.read_config(), self.run_dir)
+        elif self.rd.holds_run():
             raise SystemExit(f"error: --run-dir {self.run_dir} already holds a run "
                              "(checkpoint_last.npz); pass --resume to continue it or choose "
                              "another --run-dir (nothing was overwritten)")
@@ -184,7 +182,7 @@ class Trainer:
         self.update, self.best_bleu = 0, -1.0
         self.train_time = 0.0
         if a.resume:
-            self._load(os.path.join(self.run_dir, "checkpoint_last.npz"))
+            self._load(self.rd.last)
         if self.comm is not None:
             self.comm.broadcast_params(self.params)
 
@@ -195,11 +193,11 @@ class Trainer:
         a = self.args
         self._find_corpus()
         src, tgt, stats = read_parallel(*self.files[a.train_split])
-        self.spm_path = os.path.join(self.run_dir, "spm.model")
+        self.spm_path = self.rd.spm_model
         if self.main and not os.path.exists(self.spm_path):
             self._log_early(f"training a joint sentencepiece model, vocabulary {a.vocab_size}")
             train_sentencepiece(list(self.files[a.train_split]),
-                                os.path.join(self.run_dir, "spm"), a.vocab_size,
+                                self.rd.spm_prefix, a.vocab_size,
                                 model_type=a.spm_type)
         if self.comm:
             self.comm.barrier()
@@ -231,7 +229,7 @@ class Trainer:
         if a.data is None:
             from .synthetic import write_corpus
             a.src_lang, a.tgt_lang = a.src_lang or "src", a.tgt_lang or "tgt"
-            data_dir = os.path.join(self.run_dir, "data")
+            data_dir = self.rd.data
             complete = all(os.path.exists(os.path.join(data_dir, f"{split}.{side}"))
                            for split in ("train", "valid", "test") for side in ("src", "tgt"))
             if self.main and not complete:
@@ -260,8 +258,7 @@ class Trainer:
     def _model_config(self):
         a = self.args
         if a.resume:
-            saved = json.load(open(os.path.join(self.run_dir, "config.json")))
-            return TransformerConfig.from_dict(saved["model"])
+            return TransformerConfig.from_dict(self.rd.read_config()["model"])
         fields = dict(PRESETS[a.preset])
         fields.update({k: getattr(a, k) for k in MODEL_FLAGS if getattr(a, k) is not None})
         tok = self.tok
@@ -277,16 +274,17 @@ class Trainer:
             meta["loss_scale"] = self.scaler.state_dict()
         return meta
 
-    def save(self, name):
+    def save(self, path):
+        """The whole training state into checkpoint ``path`` (rank 0 only)."""
         if not self.main:
             return
-        path = os.path.join(self.run_dir, name)
         ckpt.save_checkpoint(path, self.model, self.optim, self._meta())
         return path
 
     def _load(self, path):
         params, optim, meta = ckpt.load_checkpoint(path)
-        ckpt.check_compatible(path, meta, self.cfg, self.spm_sha)
+        ckpt.check_compatible(path, meta, self.cfg)
+        self.rd.check_vocabulary(path, meta)
         self.model.load_state_dict(params)
         self.optim.load_state_dict({**optim, **meta["optim"]})
         self.update, self.best_bleu = meta["update"], meta["best_bleu"]
@@ -346,7 +344,7 @@ class Trainer:
         """Train until a stopping rule (--max-updates / --max-epochs / --max-time) or a
         signal. -> True when training finished, False when a signal stopped it (the state
         is then saved in checkpoint_last.npz, to continue with --resume)."""
-        log = Log(os.path.join(self.run_dir, "metrics.jsonl"), self.args.max_updates,
+        log = Log(self.rd.metrics, self.args.max_updates,
                   not self.args.no_progress, enabled=self.main, comm=self.comm)
         log.info(f"model: {count_parameters(self.model):,} parameters, config "
                  f"{json.dumps(dataclasses.asdict(self.cfg))}")
@@ -354,15 +352,15 @@ class Trainer:
         with StopSignals() as stop:
             reason = self._loop(log, stop)
         if stop.signum is not None:
-            self.save("checkpoint_last.npz")
+            self.save(self.rd.last)
             log.info(f"{signal.Signals(stop.signum).name}: stopped at update {self.update}; "
-                     f"saved {self.run_dir}/checkpoint_last.npz; continue with --resume")
+                     f"saved {self.rd.last}; continue with --resume")
             log.close()
             return False
         if self.valid is not None and self.update % self.args.valid_every != 0:
             self._validate_and_save(log)
         else:
-            self.save("checkpoint_last.npz")
+            self.save(self.rd.last)
         log.info(f"training finished ({reason}) after {self.update} updates, "
                  f"{self.train_time:.0f} s")
         log.close()
@@ -413,9 +411,9 @@ class Trainer:
         if self.valid is not None and self.update % a.valid_every == 0:
             self._validate_and_save(log)
         elif a.save_every and self.update % a.save_every == 0:
-            self.save(f"checkpoint_{self.update}.npz")
-            self.save("checkpoint_last.npz")
-            ckpt.prune_checkpoints(self.run_dir, a.keep_last)
+            self.save(self.rd.periodic(self.update))
+            self.save(self.rd.last)
+            self.rd.prune(a.keep_last)
 
     def _validate_and_save(self, log):
         loss, bleu = self.validate() if self.main else (0.0, 0.0)
@@ -425,13 +423,13 @@ class Trainer:
         log.info(f"valid update {self.update}: loss {loss:.3f} ppl {rec['valid_ppl']:.2f} "
                  f"BLEU {bleu:.2f}")
         if self.main:
-            self.save(f"checkpoint_{self.update}.npz")
-            self.save("checkpoint_last.npz")
-            ckpt.prune_checkpoints(self.run_dir, self.args.keep_last)
+            self.save(self.rd.periodic(self.update))
+            self.save(self.rd.last)
+            self.rd.prune(self.args.keep_last)
             if bleu > self.best_bleu:
                 self.best_bleu = bleu
-                self.save("checkpoint_best.npz")
-                self.save("checkpoint_last.npz")  # carries the new best_bleu
+                self.save(self.rd.best)
+                self.save(self.rd.last)  # carries the new best_bleu
 
     def test(self):
         """Score the test split with beam search: the best checkpoint, or an average."""
@@ -440,22 +438,14 @@ class Trainer:
         if not split or split not in self.files or not os.path.exists(self.files[split][0]):
             return None
         src, ref, _ = read_parallel(*self.files[split])
-        if a.average_last:
-            paths = [p for _, p in ckpt.periodic_checkpoints(self.run_dir)][-a.average_last:]
-            params, _ = ckpt.average_checkpoints(paths)
-            what = f"average of {len(paths)} checkpoints"
-        else:
-            best = os.path.join(self.run_dir, "checkpoint_best.npz")
-            path = best if os.path.exists(best) else os.path.join(self.run_dir,
-                                                                  "checkpoint_last.npz")
-            params = ckpt.load_checkpoint(path)[0]
-            what = os.path.basename(path)
+        params, _, what = self.rd.load_params(self.rd.choose_checkpoints(a.average_last))
+        what = os.path.basename(what) if what.endswith(".npz") else what
         self.model.load_state_dict(params)
         t0 = time.perf_counter()
         hyps = translate_lines(self.model, self.tok, src, beam=a.beam, alpha=a.alpha,
                                max_tokens=a.max_tokens)
         bleu, sig = corpus_bleu(hyps, ref)
-        out = os.path.join(self.run_dir, f"{split}.hyp")
+        out = self.rd.hypotheses(split)
         atomic_write_text(out, "".join(h + "\n" for h in hyps))
         print(f"test ({split}, {len(src)} sentences, {what}, beam {a.beam}, "
               f"{time.perf_counter() - t0:.1f} s): BLEU = {bleu:.2f}  {sig}", flush=True)

@@ -1,0 +1,120 @@
+"""A training run's directory: every file name in it, and every choice made from them.
+
+    RUN_DIR/config.json               the model config and the run's options (--resume)
+    RUN_DIR/spm.model, spm.vocab      the joint sentencepiece model
+    RUN_DIR/data/                     the generated corpus, when training without --data
+    RUN_DIR/checkpoint_last.npz       the latest state: --resume continues from it
+    RUN_DIR/checkpoint_best.npz       the best validation BLEU so far
+    RUN_DIR/checkpoint_<update>.npz   periodic checkpoints (the last --keep-last kept)
+    RUN_DIR/metrics.jsonl             one JSON record per log line and per validation
+    RUN_DIR/<split>.hyp               the test split's translations
+
+train.py writes it, translate.py and averaging read it; the checkpoint a translation uses
+(the best, else the last; or the average of the last N periodic ones) and the check that a
+checkpoint belongs with the run's vocabulary are made here, once.
+"""
+import json
+import os
+
+from . import checkpoint as ckpt
+from .fileio import atomic_write_text
+
+
+class RunDir:
+    """The directory ``path`` of one training run (see the module docstring)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+
+    def file(self, name):
+        return os.path.join(self.path, name)
+
+    @property
+    def config(self):
+        return self.file("config.json")
+
+    @property
+    def spm_model(self):
+        return self.file("spm.model")
+
+    @property
+    def spm_prefix(self):  # sentencepiece writes <prefix>.model and <prefix>.vocab
+        return self.file("spm")
+
+    @property
+    def data(self):
+        return self.file("data")
+
+    @property
+    def last(self):
+        return self.file("checkpoint_last.npz")
+
+    @property
+    def best(self):
+        return self.file("checkpoint_best.npz")
+
+    @property
+    def metrics(self):
+        return self.file("metrics.jsonl")
+
+    def periodic(self, update):
+        return self.file(f"checkpoint_{update}.npz")
+
+    def hypotheses(self, split):
+        return self.file(f"{split}.hyp")
+
+    # ---- the run's state ----
+    def holds_run(self):
+        """Whether a run has saved its state here (what --resume continues)."""
+        return os.path.exists(self.last)
+
+    def read_config(self):
+        with open(self.config, encoding="utf-8") as fh:
+            return json.load(fh)
+
+    def write_config(self, model, options):
+        atomic_write_text(self.config, json.dumps({"model": model, "train": options}, indent=2,
+                                                  sort_keys=True))
+
+    def periodic_checkpoints(self):
+        """[(update, path)] of the periodic checkpoints, oldest first."""
+        return ckpt.periodic_checkpoints(self.path)
+
+    def prune(self, keep_last):
+        """Delete all but the newest ``keep_last`` periodic checkpoints (0 keeps all)."""
+        ckpt.prune_checkpoints(self.path, keep_last)
+
+    # ---- choosing what to translate with ----
+    def choose_checkpoints(self, average_last=0):
+        """The checkpoints a translation uses: the newest ``average_last`` periodic ones
+        (averaged, §6.1), or else the best, or else the last."""
+        if average_last:
+            found = [p for _, p in self.periodic_checkpoints()]
+            if not found:
+                raise ckpt.CheckpointError(f"--average-last: no checkpoint_<update>.npz in "
+                                           f"{self.path}")
+            return found[-average_last:]
+        return [self.best if os.path.exists(self.best) else self.last]
+
+    def load_params(self, checkpoints):
+        """-> (params, meta, description) of one checkpoint, or of the average of several."""
+        if len(checkpoints) > 1:
+            params, meta = ckpt.average_checkpoints(checkpoints)
+            return params, meta, f"average of {len(checkpoints)} checkpoints"
+        params, _, meta = ckpt.load_checkpoint(checkpoints[0])
+        return params, meta, checkpoints[0]
+
+    def check_vocabulary(self, where, meta, vocab_size=None):
+        """Refuse a checkpoint (``where``, its ``meta``) trained with another sentencepiece
+        model than this run's, or a model whose vocabulary size is not the tokenizer's."""
+        if not os.path.exists(self.spm_model):
+            raise ckpt.CheckpointError(f"--run-dir {self.path}: no spm.model (is it a training "
+                                       "run directory?)")
+        if meta.get("spm_sha256") not in (None, ckpt.file_sha256(self.spm_model)):
+            raise ckpt.CheckpointError(f"{where} was trained with another sentencepiece "
+                                       f"vocabulary than {self.spm_model}; use the run "
+                                       "directory it came from")
+        model_vocab = meta["config"]["vocab_size"] if "config" in meta else None
+        if vocab_size is not None and model_vocab is not None and vocab_size != model_vocab:
+            raise ckpt.CheckpointError(f"{self.spm_model} has {vocab_size} pieces but the "
+                                       f"checkpoint's model has vocab_size {model_vocab}")
