@@ -16,8 +16,7 @@ sentence stops once it has ``beam`` finished hypotheses, or at the maximum lengt
 import numpy as np
 
 from ..backend import to_numpy
-from ..engine.softmax import log_softmax
-from ..engine.tensor import Tensor, no_grad
+from ..engine.tensor import no_grad
 
 
 def _length_penalty(length, alpha, kind):
@@ -31,16 +30,6 @@ def _forbid(scores, cfg):
     scores[..., cfg.pad_id] = -np.inf
     scores[..., cfg.bos_id] = -np.inf
     return scores
-
-
-def _select(cache, index, parts=("self", "cross")):
-    """Keep rows ``index`` (batch axis) of the cached keys/values of the attention ``parts``."""
-    for layer in cache:
-        for name in parts:
-            part = layer.get(name, {})
-            for key in ("k", "v"):
-                if key in part:
-                    part[key] = Tensor(part[key].data[index])
 
 
 def top_m(xp, x, m, groups_of=32):
@@ -81,16 +70,14 @@ def greedy_search(model, src, max_len_a=50):
         xp = model.xp()
         src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B = src.shape[0]
-        memory, src_mask = model.encode(src)
+        state = model.start_decoding(src)
         limit = to_numpy((src != model.cfg.pad_id).sum(axis=1)) + max_len_a
-        cache = model.new_cache()
         alive = np.arange(B)  # original sentence of each batch row
         out = [[] for _ in range(B)]
         last = xp.full((B, 1), model.cfg.bos_id, dtype=src.dtype)
         t = 0
         while len(alive):
-            h = model.decode(last, memory, src_mask, cache=cache, offset=t)
-            logits = _forbid(model.logits(h).data[:, -1], model.cfg)  # (B*, V)
+            logits = _forbid(model.next_scores(last, state), model.cfg)  # (B*, V)
             nxt = to_numpy(logits.argmax(axis=-1))
             t += 1
             keep = []
@@ -101,9 +88,7 @@ def greedy_search(model, src, max_len_a=50):
                 if t < limit[b]:
                     keep.append(row)
             if len(keep) < len(alive):
-                idx = xp.asarray(np.array(keep, dtype=np.int64))
-                memory, src_mask = Tensor(memory.data[idx]), src_mask[idx]
-                _select(cache, idx)
+                state.keep_rows(xp.asarray(np.array(keep, dtype=np.int64)))
                 alive, nxt = alive[keep], nxt[keep]
             last = xp.asarray(nxt[:, None]).astype(src.dtype)
         return out
@@ -122,11 +107,9 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=50, length_penalty="gnm
         src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B, k = src.shape[0], beam
         eos = model.cfg.eos_id
-        memory, src_mask = model.encode(src)
+        state = model.start_decoding(src)
         limit = to_numpy((src != model.cfg.pad_id).sum(axis=1)) + max_len_a
-        rep = xp.repeat(xp.arange(B), k)  # beams of sentence b are rows b*k .. b*k+k-1
-        memory, src_mask = Tensor(memory.data[rep]), src_mask[rep]
-        cache = model.new_cache()
+        state.keep_rows(xp.repeat(xp.arange(B), k))  # beams of sentence b: rows b*k .. b*k+k-1
         alive = np.arange(B)  # original sentence of each active block of k rows
         tokens = np.zeros((B, k, 0), dtype=np.int64)
         scores = np.full((B, k), -np.inf)
@@ -135,8 +118,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=50, length_penalty="gnm
         last = xp.full((B * k, 1), model.cfg.bos_id, dtype=src.dtype)
         t = 0
         while len(alive):
-            h = model.decode(last, memory, src_mask, cache=cache, offset=t)
-            logp = _forbid(log_softmax(model.logits(h)).data[:, -1], model.cfg)  # (n*k, V)
+            logp = _forbid(model.next_scores(last, state, log_probs=True), model.cfg)  # (n*k, V)
             n, V = len(alive), logp.shape[-1]
             # The 2k best candidates of each sentence, best first: at most k of them end in
             # EOS (one per beam), so at least k continue. Each of them is among the 2k best
@@ -172,12 +154,10 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=50, length_penalty="gnm
             if not len(kb):
                 break
             if len(kb) < n:  # sentences left: drop their blocks of k rows
-                block_rows = xp.asarray((kb[:, None] * k + np.arange(k)).reshape(-1))
-                memory, src_mask = Tensor(memory.data[block_rows]), src_mask[block_rows]
-                # encoder-decoder keys/values are the same for the k beams of a sentence,
-                # so reordering beams never changes them: only dropped blocks are removed
-                _select(cache, block_rows, parts=("cross",))
-            _select(cache, xp.asarray((kb[:, None] * k + prev[kb]).reshape(-1)), parts=("self",))
+                state.keep_rows(xp.asarray((kb[:, None] * k + np.arange(k)).reshape(-1)))
+            # beam j of (remaining) sentence i continues beam prev of that sentence
+            state.reorder_history(xp.asarray(
+                (np.arange(len(kb))[:, None] * k + prev[kb]).reshape(-1)))
             alive, tokens, scores = alive[kb], new_tokens[kb], new_scores[kb]
             last = xp.asarray(tokens[:, :, -1].reshape(-1, 1)).astype(src.dtype)
         results = []

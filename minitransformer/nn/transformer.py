@@ -19,7 +19,9 @@ from ..engine import ops
 from ..engine.attention import scaled_dot_product_attention
 from ..engine.linear_cross_entropy import linear_cross_entropy
 from ..engine.residual import dropout_residual
+from ..engine.softmax import log_softmax
 from ..engine.tensor import Tensor, no_grad
+from .decoder_state import DecoderState
 from .module import Dropout, LayerNorm, Linear, Module, parameter
 
 
@@ -349,7 +351,25 @@ class Transformer(Module):
                                     smoothing=cfg.smoothing, layout=layout)
 
     def new_cache(self):
+        """Empty per-layer key/value caches for ``decode(..., cache=)``."""
         return [{} for _ in self.decoder]
+
+    # ---- incremental decoding (mt/search.py) ----
+    def start_decoding(self, src):
+        """Encode src ids (B, S) -> the DecoderState of B rows, before the first token."""
+        memory, src_mask = self.encode(src)
+        return DecoderState(memory, src_mask, len(self.decoder))
+
+    def next_scores(self, last, state, log_probs=False):
+        """Feed the newest tokens ``last`` (B*, 1) of each row of ``state`` -> the scores of
+        the token after them, (B*, V) on the model's device: logits, or log-probabilities
+        with ``log_probs``. Earlier positions come from the state's caches; the state
+        advances by one position."""
+        h = self.decode(last, state.memory, state.src_mask, cache=state.layers,
+                        offset=state.offset)
+        state.offset += last.shape[1]
+        z = self.logits(h)
+        return (log_softmax(z) if log_probs else z).data[:, -1]
 
     def set_attention_store(self, store):
         """store: dict to fill with lists of attention maps, or None to stop recording."""

@@ -1,0 +1,67 @@
+"""The decoder state incremental decoding carries (nn/decoder_state.py), as mt/search.py uses
+it: after rows are kept, repeated or their histories reordered, the next scores equal those
+of decoding the resulting token histories from scratch, without a cache."""
+import numpy as np
+import pytest
+
+from minitransformer.nn.transformer import Transformer, TransformerConfig
+
+CFG = TransformerConfig(vocab_size=30, d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = Transformer(CFG, seed=3, dtype=np.float64)
+    m.eval()
+    return m
+
+
+def _src():
+    src = np.random.default_rng(0).integers(4, 30, (3, 6))
+    src[1, 4:] = 0  # padding
+    return src
+
+
+def _uncached(model, src, history):
+    """Scores of the next token after ``history`` (B, t), decoded from scratch."""
+    memory, mask = model.encode(src)
+    return model.logits(model.decode(history, memory, mask)).data[:, -1]
+
+
+def _feed(model, state, history):
+    """Feed ``history`` (B, t) one token at a time; -> the last step's scores."""
+    for t in range(history.shape[1]):
+        scores = model.next_scores(history[:, t:t + 1], state)
+    return scores
+
+
+def test_incremental_scores_equal_a_fresh_decode(model):
+    src = _src()
+    history = np.random.default_rng(1).integers(4, 30, (3, 4))
+    history[:, 0] = CFG.bos_id
+    state = model.start_decoding(src)
+    np.testing.assert_allclose(_feed(model, state, history), _uncached(model, src, history),
+                               rtol=1e-12, atol=1e-12)
+    assert state.offset == 4 and state.rows == 3
+
+
+def test_kept_rows_and_reordered_histories_continue_correctly(model):
+    src = _src()
+    rng = np.random.default_rng(2)
+    history = rng.integers(4, 30, (6, 3))  # each beam its own tokens
+    history[:, 0] = CFG.bos_id
+    state = model.start_decoding(src)
+    state.keep_rows(np.array([0, 0, 1, 1, 2, 2]))  # two beams a sentence
+    _feed(model, state, history)
+    # sentence 1 finishes; then both beams of sentence 0 continue its beam 1, and the beams
+    # of sentence 2 swap
+    state.keep_rows(np.array([0, 1, 4, 5]))
+    state.reorder_history(np.array([1, 1, 3, 2]))
+    nxt = rng.integers(4, 30, (4, 1))
+    got = model.next_scores(nxt, state, log_probs=True)
+    beams = np.array([1, 1, 5, 4])  # the original row whose history each row continues
+    want_logits = _uncached(model, src[beams // 2], np.concatenate([history[beams], nxt], 1))
+    want = want_logits - np.log(np.exp(want_logits - want_logits.max(1, keepdims=True))
+                                .sum(1, keepdims=True)) - want_logits.max(1, keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert state.rows == 4 and state.offset == 4
