@@ -1,5 +1,5 @@
 """The functional API in one namespace: ``import minitransformer.functional as F``."""
-from .engine.attention import scaled_dot_product_attention  # noqa: F401
+from .engine.attention import attention_probabilities, scaled_dot_product_attention  # noqa: F401
 from .engine.cross_entropy import softmax_cross_entropy  # noqa: F401
 from .engine.layernorm import layer_norm  # noqa: F401
 from .engine.linear_cross_entropy import linear_cross_entropy  # noqa: F401

@@ -40,33 +40,42 @@ def attention_bias(xp, dtype, key_mask=None, causal=False, T=None, S=None):
     return bias
 
 
+def attention_probabilities(q, k, key_mask=None, causal=False):
+    """p = softmax(q k^T / sqrt(K) + mask) over the keys: arrays q (B, H, T, K), k (B, H, S, K)
+    -> p (B, H, T, S) in q's dtype (computed in float32 for float16). A row whose keys are
+    all masked is 0. The attention op's forward up to the product with v; on CuPy arrays the
+    bias, max, exp, sum and divide are one fused kernel (cuda_kernels.masked_softmax_)."""
+    xp = backend.get_array_module(q)
+    T, S, K = q.shape[-2], k.shape[-2], q.shape[-1]
+    s = (q * q.dtype.type(1.0 / math.sqrt(K))) @ k.swapaxes(-1, -2)  # (B, H, T, S)
+    acc = backend.accumulation_dtype(s.dtype)
+    bias = attention_bias(xp, acc, key_mask, causal, T, S)
+    if cuda_kernels.use_for(xp):  # one CUDA block per row
+        return cuda_kernels.masked_softmax_(s, bias)
+    s = s.astype(acc, copy=False)
+    if bias is not None:
+        s += bias
+    m = s.max(axis=-1, keepdims=True)
+    if bias is not None:  # (no boolean-mask writes: on CuPy each would wait for a count)
+        m = xp.where(xp.isfinite(m), m, acc.type(0))  # fully masked row: exp(-inf) = 0
+    s -= m
+    xp.exp(s, out=s)
+    z = s.sum(axis=-1, keepdims=True)
+    if bias is not None:
+        z += z == 0  # a fully masked row sums to 0: divide by 1, no NaN
+    s /= z
+    return s.astype(q.dtype, copy=False)
+
+
 class ScaledDotProductAttention(Function):
+    """The fused attention node (module docstring): options ``key_mask`` (bool (B, S) or
+    None), ``causal``, ``dropout`` (the rate), ``rng``, ``training``. Saves p, q, k, v and
+    the dropout mask for backward."""
+
     def forward(self, q, k, v):
-        xp = backend.get_array_module(q)
-        T, S, K = q.shape[-2], k.shape[-2], q.shape[-1]
-        self.scale = q.dtype.type(1.0 / math.sqrt(K))
-        s = (q * self.scale) @ k.swapaxes(-1, -2)  # (B, H, T, S)
-        acc = backend.accumulation_dtype(s.dtype)
-        bias = attention_bias(xp, acc, self.key_mask, self.causal, T, S)
-        if cuda_kernels.use_for(xp):  # bias, max, exp, sum, divide: one CUDA block per row
-            s = cuda_kernels.masked_softmax_(s, bias)
-        else:
-            s = s.astype(acc, copy=False)
-            if bias is not None:
-                s += bias
-            m = s.max(axis=-1, keepdims=True)
-            if bias is not None:  # (no boolean-mask writes: on CuPy each would wait for a count)
-                m = xp.where(xp.isfinite(m), m, acc.type(0))  # fully masked row: exp(-inf) = 0
-            s -= m
-            xp.exp(s, out=s)
-            z = s.sum(axis=-1, keepdims=True)
-            if bias is not None:
-                z += z == 0  # a fully masked row sums to 0: divide by 1, no NaN
-            s /= z  # s is now p
-            s = s.astype(q.dtype, copy=False)
+        self.scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+        s = attention_probabilities(q, k, self.key_mask, self.causal)
         self.p, self.q, self.k, self.v = s, q, k, v
-        if self.store is not None:  # attention maps for plotting, (B, H, T, S)
-            self.store.append(backend.to_numpy(s))
         self.mask = None
         if self.training and self.dropout > 0:
             keep = self.rng.random(s.shape, s.dtype) >= self.dropout
@@ -91,15 +100,14 @@ class ScaledDotProductAttention(Function):
 
 
 def scaled_dot_product_attention(q, k, v, key_mask=None, causal=False, dropout=0.0,
-                                 rng=None, training=False, store=None):
+                                 rng=None, training=False):
     """softmax(q k^T / sqrt(K) + mask) v for q (B, H, T, K), k and v (B, H, S, K).
 
     key_mask: bool array (B, S), True for real (non-padding) keys. causal: mask the future.
-    dropout/rng/training: dropout on the probabilities. store: a list that receives the
-    attention probabilities (B, H, T, S) as NumPy arrays, for plotting.
+    dropout/rng/training: dropout on the probabilities.
     """
     if key_mask is not None and hasattr(key_mask, "data") and not hasattr(key_mask, "shape"):
         key_mask = key_mask.data
     return ScaledDotProductAttention.apply(q, k, v, key_mask=key_mask, causal=causal,
                                            dropout=dropout if training else 0.0, rng=rng,
-                                           training=training, store=store)
+                                           training=training)

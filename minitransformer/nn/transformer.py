@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import backend
 from ..engine import ops
-from ..engine.attention import scaled_dot_product_attention
+from ..engine.attention import attention_probabilities, scaled_dot_product_attention
 from ..engine.linear_cross_entropy import linear_cross_entropy
 from ..engine.residual import dropout_residual
 from ..engine.softmax import log_softmax
@@ -138,7 +138,11 @@ class MultiHeadAttention(Module):
                 cache["k"], cache["v"] = k, v
         out = scaled_dot_product_attention(q, k, v, key_mask=key_mask, causal=causal,
                                            dropout=self.cfg.attention_dropout, rng=self.rng,
-                                           training=self.training, store=self.store)
+                                           training=self.training)
+        if self.store is not None:  # attention maps for plots, (B, H, T, S), recomputed
+            mask = key_mask.data if isinstance(key_mask, Tensor) else key_mask
+            self.store.append(backend.to_numpy(attention_probabilities(q.data, k.data, mask,
+                                                                       causal)))
         return self.wo(ops.merge_heads(out, H))
 
 
