@@ -13,7 +13,7 @@ Backward (closed form, no log-softmax kept): dz = (softmax(z) - q) * dloss, 0 on
 Saves the logits (already alive), logsumexp (N,) and the targets.
 """
 from .. import backend
-from .ops import check_ids
+from .ids import check_ids
 from .tensor import Function, Tensor
 
 

@@ -338,15 +338,6 @@ def dropout_active(p, training):
     return True
 
 
-def check_ids(ids, V, what, hint=""):
-    """Raise a ValueError naming the first id of ``ids`` outside [0, V) (what: 'target id',
-    'token id'). It reads ids.min() and ids.max(): on a GPU array that waits for the device,
-    so callers run it on the host copy where there is one."""
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= V):
-        bad = int(ids[(ids < 0) | (ids >= V)].ravel()[0])
-        raise ValueError(f"{what} {bad} is outside the vocabulary [0, {V}){hint}")
-
-
 def embedding(ids, weight, padding_idx=None):
     """Rows of ``weight`` (V, D) for integer ``ids``; padding row gets no gradient."""
     ids = ids.data if isinstance(ids, Tensor) else ids

@@ -17,6 +17,7 @@ import numpy as np
 from .. import backend
 from ..engine import ops
 from ..engine.attention import attention_probabilities, scaled_dot_product_attention
+from ..engine.ids import check_ids
 from ..engine.linear_cross_entropy import linear_cross_entropy
 from ..engine.residual import dropout_residual
 from ..engine.softmax import log_softmax
@@ -289,7 +290,7 @@ class Transformer(Module):
         """
         a = self._host_or_device(x)
         if isinstance(a, np.ndarray):
-            ops.check_ids(a, self.cfg.vocab_size, "token id",
+            check_ids(a, self.cfg.vocab_size, "token id",
                           ": was the data encoded with another sentencepiece model?")
         return self.xp().asarray(a)
 
