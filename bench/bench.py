@@ -17,8 +17,8 @@ How it measures (details in bench/RESULTS.md, "Method"):
   no-dropout loss on the first batch is compared before training starts.
 * Training: one step = forward, backward of loss_sum / n_tokens, Adam (0.9, 0.98, 1e-9) with
   the paper's learning rate at that step; ours is train.py's own update (mt/step.py: backward
-  of loss_sum, the gradient then divided by n_tokens). Target tokens/s = non-padding target tokens / step
-  time; median over the steps after the warm-up ones.
+  of loss_sum, the gradient then divided by n_tokens). Target tokens/s = non-padding target
+  tokens / step time; median over the steps after the warm-up ones.
 * ``--ranks N`` adds two training-only workers of N processes with one thread each, bound
   to one core each: ours under mpiexec with the package's MPI all-reduce, exactly as
   ``mpiexec -n N python train.py`` trains, and torch with DistributedDataParallel over gloo.
@@ -219,7 +219,7 @@ class OursRunner(Runner):
         st = pstats.Stats(prof, stream=s)
         st.sort_stats("tottime").print_stats(top)
         rows = []
-        for func, (cc, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        for func, (_cc, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
             where = _label(*func)
             rows.append(dict(function=where, calls=nc, tottime=tt, cumtime=ct))
         return dict(steps=steps, wall_seconds=wall, total_tt=st.total_tt, rows=rows,

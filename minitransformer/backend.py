@@ -87,7 +87,7 @@ def scatter_add(table, index, values):
     if get_array_module(table) is np:
         np.add.at(table, index, values)
     else:
-        import cupyx  # noqa: only reached when CuPy is present
+        import cupyx  # noqa: F401  (only reached when CuPy is present)
         cupyx.scatter_add(table, index, values)
 
 

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 
-from . import _blas, backend
+from . import _blas, backend  # noqa: F401  (_blas: OpenBLAS set-up on import)
 
 AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
 FAST_CORES = ("skylakex", "cooperlake", "sapphirerapids")  # OpenBLAS's AVX-512 kernels

@@ -43,7 +43,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     meta = ckpt.load_checkpoint(os.path.join(split, "checkpoint_last.npz"))[2]
     assert meta["update"] == 24
     # the metrics log holds both halves
-    updates = [json.loads(l)["update"] for l in open(os.path.join(split, "metrics.jsonl"))]
+    updates = [json.loads(line)["update"] for line in open(os.path.join(split, "metrics.jsonl"))]
     assert max(updates) == 24
 
 
@@ -135,7 +135,7 @@ def test_run_directory_layout_and_periodic_pruning(tmp_path):
         ["checkpoint_16.npz", "checkpoint_20.npz"]
     cfg = json.load(open(os.path.join(run, "config.json")))
     assert cfg["model"]["d_model"] == 32 and cfg["train"]["vocab_size"] == 120
-    records = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     assert any("valid_bleu" in r for r in records)
     assert all({"loss", "ppl", "lr", "tokens_per_s"} <= set(r) for r in records if "loss" in r)
 
@@ -273,7 +273,8 @@ def test_train_translate_score_end_to_end(tmp_path):
     # measured: about 26 greedy validation BLEU at this point; an untrained model scores ~0
     assert bleu > 10, proc.stderr
     greedy = subprocess.run([sys.executable, os.path.join(ROOT, "translate.py"), "--run-dir", run,
-                             "--beam", "1", "--average-last", "2"], input="\n".join(lines[:3]) + "\n",
+                             "--beam", "1", "--average-last", "2"],
+                            input="\n".join(lines[:3]) + "\n",
                             capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert greedy.returncode == 0 and len(greedy.stdout.splitlines()) == 3
 
@@ -297,4 +298,5 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert stopped > 0
     assert run_train("--run-dir", run, "--resume", "--max-updates", str(stopped + 3),
                      "--valid-every", "100000") == 0
-    assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == stopped + 3
+    last = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))
+    assert last[2]["update"] == stopped + 3

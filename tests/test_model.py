@@ -50,7 +50,8 @@ def test_shared_embedding_is_one_matrix():
     assert "embedding" in names and "src_embedding" not in names
     assert not any(n.startswith("out_proj") for n in names)
     unshared = Transformer(tiny_config(share_embeddings=False))
-    assert {"src_embedding", "tgt_embedding", "out_proj.weight"} <= {n for n, _ in unshared.named_parameters()}
+    names = {n for n, _ in unshared.named_parameters()}
+    assert {"src_embedding", "tgt_embedding", "out_proj.weight"} <= names
 
 
 def test_sinusoids_match_the_paper_formula():
@@ -59,13 +60,16 @@ def test_sinusoids_match_the_paper_formula():
     assert pe[pos, 2 * i] == pytest.approx(np.sin(pos / 10000 ** (2 * i / 8)))
     assert pe[pos, 2 * i + 1] == pytest.approx(np.cos(pos / 10000 ** (2 * i / 8)))
     cat = sinusoids(50, 8, layout="concat", dtype=np.float64)
-    assert cat[pos, i] == pytest.approx(pe[pos, 2 * i]) and cat[pos, 4 + i] == pytest.approx(pe[pos, 2 * i + 1])
+    assert cat[pos, i] == pytest.approx(pe[pos, 2 * i])
+    assert cat[pos, 4 + i] == pytest.approx(pe[pos, 2 * i + 1])
 
 
 def test_presets_are_the_papers():
     base, big = preset("base"), preset("big")
-    assert (base.n_layers, base.d_model, base.n_heads, base.d_ff, base.dropout) == (6, 512, 8, 2048, 0.1)
-    assert (big.n_layers, big.d_model, big.n_heads, big.d_ff, big.dropout) == (6, 1024, 16, 4096, 0.3)
+    def shape(c):
+        return c.n_layers, c.d_model, c.n_heads, c.d_ff, c.dropout
+    assert shape(base) == (6, 512, 8, 2048, 0.1)
+    assert shape(big) == (6, 1024, 16, 4096, 0.3)
     assert preset("tiny", d_model=64).d_model == 64
     with pytest.raises(ValueError, match="divisible"):
         TransformerConfig(d_model=10, n_heads=3)
@@ -103,7 +107,8 @@ def test_cached_decoding_equals_full_decoding():
         memory, mask = model.encode(src)
         full = model.logits(model.decode(tin, memory, mask)).data
         cache = model.new_cache()
-        steps = [model.logits(model.decode(tin[:, t:t + 1], memory, mask, cache=cache, offset=t)).data
+        steps = [model.logits(model.decode(tin[:, t:t + 1], memory, mask, cache=cache,
+                                           offset=t)).data
                  for t in range(tin.shape[1])]
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-10, atol=1e-12)
 
@@ -156,7 +161,8 @@ def test_top_m_finds_the_m_largest_of_each_row(xp, V, m):
 def test_beam_one_equals_greedy(toy_model):
     src, _, _ = toy_batch(3, B=5, S=7)
     src[:, -1] = 3
-    assert beam_search(toy_model, src, beam=1, max_len_a=8) == greedy_search(toy_model, src, max_len_a=8)
+    greedy = greedy_search(toy_model, src, max_len_a=8)
+    assert beam_search(toy_model, src, beam=1, max_len_a=8) == greedy
 
 
 def test_decoding_independent_of_batch_and_padding(toy_model):
@@ -224,7 +230,8 @@ def test_beam_search_equals_an_exhaustive_uncached_search(toy_model, beam):
 def test_max_length_is_source_plus_a():
     model = Transformer(tiny_config(), seed=0)  # untrained: rarely emits EOS
     src = np.array([[5, 6, 3]])
-    for out in (greedy_search(model, src, max_len_a=4)[0], beam_search(model, src, beam=2, max_len_a=4)[0]):
+    for out in (greedy_search(model, src, max_len_a=4)[0],
+                beam_search(model, src, beam=2, max_len_a=4)[0]):
         assert len(out) <= 3 + 4
         assert 0 not in out and 2 not in out  # padding and BOS are never produced
 
@@ -235,7 +242,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_with_a_clear_error():
     src, tgt_in, tgt_out = toy_batch()
     src_bad = src.copy()
     src_bad[1, 2] = V
-    for bad_src, bad_in, bad, where in ((src_bad, tgt_in, V, "source"),
+    for bad_src, bad_in, bad, _case in ((src_bad, tgt_in, V, "source"),
                                         (src, np.where(tgt_in > 0, -1, 0), -1, "target input"),
                                         (src.tolist(), tgt_in.tolist(), None, "lists: fine")):
         if bad is None:

@@ -49,7 +49,7 @@ def test_the_summed_gradient_is_divided_by_all_tokens(seen_gradients):
     n = sum(k for _, k in losses)
     ((losses[0][0] + losses[1][0]) * (1.0 / n)).backward()
     assert result.applied and result.tokens == n
-    assert result.loss_sum == pytest.approx(sum(float(l.data) for l, _ in losses), rel=1e-14)
+    assert result.loss_sum == pytest.approx(sum(float(loss.data) for loss, _ in losses), rel=1e-14)
     for g, p in zip(seen_gradients[0], ref.parameters()):
         np.testing.assert_allclose(g, p.grad, rtol=1e-12, atol=1e-15)
     assert all(float(np.abs(p.grad).max()) == 0 if p.grad is not None else True

@@ -59,7 +59,7 @@ def gradcheck(fn, inputs, params=(), dtype=np.float64, n_directions=8, full_max=
 
     # cast float inputs and parameters to the check dtype (restored at the end)
     tensors = []
-    for i, x in enumerate(inputs):
+    for x in inputs:
         t = x if isinstance(x, Tensor) else Tensor(x)
         if _float(t.data):
             t = Tensor(t.data.astype(dtype), requires_grad=True)

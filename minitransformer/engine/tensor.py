@@ -9,8 +9,6 @@ shape, checks shapes and accumulates (``grad += g``), so a tensor used twice get
 import contextlib
 import itertools
 
-import numpy as np
-
 from .. import backend
 
 _tape_counter = itertools.count()
@@ -165,7 +163,9 @@ class Tensor:
 
     def sum(self, axis=None, keepdims=False): return _ops().sum(self, axis, keepdims)
     def mean(self, axis=None, keepdims=False): return _ops().mean(self, axis, keepdims)
-    def reshape(self, *shape): return _ops().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+    def reshape(self, *shape):
+        whole = len(shape) == 1 and isinstance(shape[0], (tuple, list))
+        return _ops().reshape(self, shape[0] if whole else shape)
 
     def transpose(self, *axes):
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):

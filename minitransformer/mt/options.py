@@ -13,7 +13,8 @@ import sys
 
 from ..nn.transformer import PRESETS, TransformerConfig
 
-USAGE = """train.py: train a Transformer on parallel text, the paper's recipe (§5), from the command line.
+USAGE = """train.py: train a Transformer on parallel text, the paper's recipe (§5), from the
+command line.
 
     python train.py                                   # synthetic corpus, tiny model, then BLEU
     python train.py --data DIR --src-lang en --tgt-lang de --preset base --run-dir runs/ende
@@ -47,7 +48,8 @@ def build_parser():
     g.add_argument("--test-split", default="test", help="scored with beam search at the end "
                                                         "if its files exist ('' to skip)")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="joint sentencepiece vocabulary (default 8000; 1000 for the synthetic corpus)")
+                   help="joint sentencepiece vocabulary (default 8000; 1000 for the synthetic "
+                        "corpus)")
     g.add_argument("--spm-type", default=None, choices=["unigram", "bpe", "char", "word"],
                    help="sentencepiece algorithm (default unigram; bpe for the synthetic corpus, "
                         "whose words it keeps whole)")
@@ -69,7 +71,8 @@ def build_parser():
         if f.name in MODEL_FLAGS:
             flag = "--" + f.name.replace("_", "-")
             if f.type in (bool, "bool"):
-                g.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction)
+                g.add_argument(flag, dest=f.name, default=None,
+                               action=argparse.BooleanOptionalAction)
             else:
                 typ = {"int": int, "float": float, "str": str}.get(str(f.type), f.type)
                 g.add_argument(flag, dest=f.name, type=typ, default=None,
@@ -81,7 +84,8 @@ def build_parser():
                    help="after the warm-up: the paper's inverse square root decay, or a straight "
                         "line to 0 at --max-updates (for a fixed budget of updates)")
     g.add_argument("--warmup", type=int, default=None,
-                   help="warm-up updates (default 4000 as in the paper; 300 for the synthetic corpus)")
+                   help="warm-up updates (default 4000 as in the paper; 300 for the synthetic "
+                        "corpus)")
     g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.98])
     g.add_argument("--adam-eps", type=float, default=1e-9)
     g.add_argument("--clip-norm", type=float, default=0.0, help="0 = no clipping")
@@ -137,7 +141,7 @@ def load_config_file(path):
         else:
             d = json.loads(raw.decode("utf-8"))
     except Exception as exc:
-        raise SystemExit(f"error: --config {path}: cannot parse ({exc})")
+        raise SystemExit(f"error: --config {path}: cannot parse ({exc})") from None
     return {k.replace("-", "_"): v for k, v in d.items()}
 
 

@@ -108,7 +108,8 @@ def sinusoids(n_positions, d_model, layout="interleaved", dtype=np.float32):
 
 
 class MultiHeadAttention(Module):
-    """MultiHead(Q, K, V) = Concat(head_1..head_H) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+    """MultiHead(Q, K, V) = Concat(head_1..head_H) W^O,
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
 
     The H projections of each kind are one (D, D) matrix; heads are its K-column blocks.
     query (B, T, D), memory (B, S, D) -> (B, T, D).
@@ -248,8 +249,10 @@ class Transformer(Module):
                                                   dtype=dtype))
         else:
             self.pe = xp.asarray(sinusoids(cfg.max_positions, D, cfg.sinusoid_layout, dtype))
-        self.encoder = [EncoderLayer(cfg, self.rng, init, dtype, device) for _ in range(cfg.n_layers)]
-        self.decoder = [DecoderLayer(cfg, self.rng, init, dtype, device) for _ in range(cfg.n_layers)]
+        self.encoder = [EncoderLayer(cfg, self.rng, init, dtype, device)
+                        for _ in range(cfg.n_layers)]
+        self.decoder = [DecoderLayer(cfg, self.rng, init, dtype, device)
+                        for _ in range(cfg.n_layers)]
         if cfg.norm == "pre":
             self.enc_norm = LayerNorm(D, cfg.ln_eps, dtype=dtype, device=device)
             self.dec_norm = LayerNorm(D, cfg.ln_eps, dtype=dtype, device=device)
