@@ -322,3 +322,22 @@ def test_embedding_padding_row_gets_zero_gradient(xp, arrays, assert_close):
     expected[3] = gn[0, 2] + gn[1, 0]  # a repeated id sums its rows
     assert_close(w.grad, expected, 1e-15, 0, "embedding dW with padding_idx=0")
     assert (arrays.numpy(w.grad)[0] == 0).all()
+
+
+def test_function_options_are_declared_and_others_refused():
+    from minitransformer.engine.layernorm import LayerNorm
+    x, g, b = np.ones((2, 3)), np.ones(3), np.zeros(3)
+    assert LayerNorm().eps == 1e-5  # the declared default, visible on the class
+    assert LayerNorm.options == {"eps": 1e-5}
+    LayerNorm.apply(x, g, b, eps=1e-3)
+    with pytest.raises(TypeError,
+                       match=r"LayerNorm takes the options \['eps'\], not \['epsilon'\]"):
+        LayerNorm.apply(x, g, b, epsilon=1e-3)  # a misspelt option used to be set silently
+
+    class Scale(mt.Function):  # a user's Function that declares nothing takes any option
+        def forward(self, x):
+            return x * self.k
+
+        def backward(self, dy):
+            return dy * self.k
+    assert float(Scale.apply(Tensor(np.ones(2)), k=3.0).sum().data) == 6.0

@@ -71,6 +71,8 @@ class ScaledDotProductAttention(Function):
     """The fused attention node (module docstring): options ``key_mask`` (bool (B, S) or
     None), ``causal``, ``dropout`` (the rate), ``rng``, ``training``. Saves p, q, k, v and
     the dropout mask for backward."""
+    options = {"key_mask": None, "causal": False, "dropout": 0.0, "rng": None, "training": False}
+
 
     def forward(self, q, k, v):
         self.scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]))

@@ -43,6 +43,13 @@ def checked_targets(targets, shape, V, pad_idx, xp, what):
 
 
 class SoftmaxCrossEntropy(Function):
+    """The summed smoothed loss (the module docstring): logits z (..., V), targets t (...)
+    -> a scalar. Options: ``eps`` the label smoothing, ``pad_idx`` the padding target (no
+    loss), ``smoothing`` "others" or "uniform", ``shape_in`` z's shape (for dz). Saves z,
+    lse and t; backward returns dz = (softmax(z) - q) * [t != pad] * dloss, and None for t."""
+
+    options = {"eps": 0.0, "pad_idx": None, "smoothing": "others", "shape_in": None}
+
     def forward(self, z, t):
         xp = backend.get_array_module(z)
         V = z.shape[-1]

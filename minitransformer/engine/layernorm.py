@@ -18,6 +18,12 @@ from .tensor import Function
 
 
 class LayerNorm(Function):
+    """LayerNorm over the last axis (the module docstring's formulas): x (..., D), gamma and
+    beta (D,) -> y (..., D). Option ``eps``, added to the variance. Saves x_hat (..., D),
+    rstd (..., 1) and gamma; backward returns dx, dgamma, dbeta."""
+
+    options = {"eps": 1e-5}
+
     def forward(self, x, gamma, beta):
         xp = backend.get_array_module(x)
         self.gamma = gamma

@@ -32,6 +32,15 @@ GPU_CHUNK_ELEMENTS = 1 << 26
 
 
 class LinearCrossEntropy(Function):
+    """The summed smoothed loss of the logits h W^T (the module docstring): h (..., D),
+    w (V, D) (``layout`` "vd") or (D, V) ("dv"), targets t (...) -> a scalar. Options:
+    ``eps`` the label smoothing, ``pad_idx``, ``smoothing`` ("others" / "uniform"),
+    ``layout``, ``compute_grad`` (False under no_grad: the loss only). Saves dh and dw,
+    computed during the forward chunk by chunk; backward scales them by dloss."""
+
+    options = {"eps": 0.0, "pad_idx": None, "smoothing": "others", "layout": "vd",
+               "compute_grad": True}
+
     def forward(self, h, w, t):
         xp = backend.get_array_module(h)
         D = h.shape[-1]

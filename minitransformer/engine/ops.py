@@ -27,6 +27,8 @@ def _pair(a, b):
 # ---- elementwise arithmetic ---------------------------------------------------------------
 class Add(Function):
     """y = a + b;  da = dy, db = dy (broadcast axes summed by the engine)."""
+    options = {}
+
     def forward(self, a, b):
         return a + b
 
@@ -36,6 +38,8 @@ class Add(Function):
 
 class Sub(Function):
     """y = a - b;  da = dy, db = -dy."""
+    options = {}
+
     def forward(self, a, b):
         return a - b
 
@@ -45,6 +49,8 @@ class Sub(Function):
 
 class Mul(Function):
     """y = a * b;  da = dy * b, db = dy * a."""
+    options = {}
+
     def forward(self, a, b):
         self.a, self.b = a, b
         return a * b
@@ -55,6 +61,8 @@ class Mul(Function):
 
 class Div(Function):
     """y = a / b;  da = dy / b, db = -dy * a / b^2 = -dy * y / b."""
+    options = {}
+
     def forward(self, a, b):
         self.b = b
         self.y = a / b
@@ -67,6 +75,8 @@ class Div(Function):
 
 class Neg(Function):
     """y = -x;  dx = -dy."""
+    options = {}
+
     def forward(self, x):
         return -x
 
@@ -79,6 +89,8 @@ class Power(Function):
 
     p is kept as a Python number, which never promotes x's dtype (a NumPy float64 would).
     """
+    options = {"p": None}
+
     def forward(self, x):
         self.x = x
         self.p = self.p.item() if hasattr(self.p, "item") else self.p
@@ -90,6 +102,8 @@ class Power(Function):
 
 class Exp(Function):
     """y = exp(x);  dx = dy * y (saves the output)."""
+    options = {}
+
     def forward(self, x):
         self.y = _xp(x).exp(x)
         return self.y
@@ -100,6 +114,8 @@ class Exp(Function):
 
 class Log(Function):
     """y = log(x);  dx = dy / x."""
+    options = {}
+
     def forward(self, x):
         self.x = x
         return _xp(x).log(x)
@@ -110,6 +126,8 @@ class Log(Function):
 
 class ReLU(Function):
     """y = max(0, x);  dx = dy * [y > 0] (saves the output, as the mask)."""
+    options = {}
+
     def forward(self, x):
         self.y = _xp(x).maximum(x, 0)
         return self.y
@@ -121,6 +139,8 @@ class ReLU(Function):
 # ---- reductions and shape -----------------------------------------------------------------
 class Sum(Function):
     """y = sum(x, axis);  dx = dy broadcast back over the summed axes."""
+    options = {"axis": None, "keepdims": False}
+
     def forward(self, x):
         self.shape = x.shape
         return x.sum(axis=self.axis, keepdims=self.keepdims)
@@ -135,6 +155,8 @@ class Sum(Function):
 
 class Mean(Function):
     """y = mean(x, axis);  dx = dy / n broadcast back (n = number of averaged elements)."""
+    options = {"axis": None, "keepdims": False}
+
     def forward(self, x):
         self.shape = x.shape
         y = x.mean(axis=self.axis, keepdims=self.keepdims)
@@ -151,6 +173,8 @@ class Mean(Function):
 
 class Reshape(Function):
     """y = x.reshape(shape);  dx = dy.reshape(x.shape)."""
+    options = {"new_shape": None}
+
     def forward(self, x):
         self.in_shape = x.shape
         return x.reshape(self.new_shape)
@@ -161,6 +185,8 @@ class Reshape(Function):
 
 class Transpose(Function):
     """y = x.transpose(axes);  dx = dy.transpose(inverse(axes))."""
+    options = {"axes": None}
+
     def forward(self, x):
         self.axes_ = self.axes if self.axes is not None else tuple(reversed(range(x.ndim)))
         return x.transpose(self.axes_)
@@ -178,6 +204,8 @@ class SplitHeads(Function):
     dx = dy transposed back and merged. A contiguous copy is made so the following
     batched matmuls run on dense blocks.
     """
+    options = {"n_heads": None}
+
     def forward(self, x):
         B, T, D = x.shape
         y = x.reshape(B, T, self.n_heads, D // self.n_heads).transpose(0, 2, 1, 3)
@@ -190,6 +218,8 @@ class SplitHeads(Function):
 
 class MergeHeads(Function):
     """(B, H, T, K) -> (B, T, D): Concat(head_1, ..., head_h) of the paper (§3.2.2)."""
+    options = {"n_heads": None}
+
     def forward(self, x):
         B, H, T, K = x.shape
         return x.transpose(0, 2, 1, 3).reshape(B, T, H * K)
@@ -203,6 +233,8 @@ class MergeHeads(Function):
 # ---- linear algebra -----------------------------------------------------------------------
 class MatMul(Function):
     """y = a @ b (batched over leading axes);  da = dy @ b^T, db = a^T @ dy."""
+    options = {}
+
     def forward(self, a, b):
         self.a, self.b = a, b
         return a @ b
@@ -224,6 +256,8 @@ class Linear(Function):
     The output has x's dtype; b may be wider (float32 with float16 x and W under mixed
     precision): it is added in place, and db is summed in b's dtype.
     """
+    options = {}
+
     def forward(self, x, w, b=None):
         self.x, self.w = x, w
         self.b_dtype = None if b is None else b.dtype
@@ -250,6 +284,8 @@ class Cast(Function):
     float32 weight that enters a float16 product, so the product runs in float16 while the
     gradient lands, in float32, on the float32 master weight.
     """
+    options = {"dtype": None}
+
     def forward(self, x):
         self.in_dtype = x.dtype
         return x.astype(self.dtype)
@@ -264,6 +300,8 @@ class Dropout(Function):
 
     The scaled mask is saved (one array of x's shape and dtype).
     """
+    options = {"p": 0.0, "rng": None}  # p: the dropout rate
+
     def forward(self, x):
         keep = self.rng.random(x.shape, x.dtype) >= self.p
         self.mask = keep * x.dtype.type(1.0 / (1.0 - self.p))
@@ -279,6 +317,8 @@ class Embedding(Function):
     dW = scatter-add of dy rows into the rows named by ids (repeats summed); the padding
     row receives no gradient, so it stays as initialised. ids get no gradient.
     """
+    options = {"padding_idx": None}
+
     def forward(self, ids, weight):
         self.ids, self.vocab = ids, weight.shape
         return weight[ids]

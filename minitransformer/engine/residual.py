@@ -16,6 +16,12 @@ from .tensor import Function
 
 
 class DropoutResidual(Function):
+    """y = x + f * mask (the module docstring): x, f (B, T, D) -> y (B, T, D). Options ``p``,
+    the dropout rate, and ``rng``, the generator that draws m. Saves the mask (None when
+    p = 0 or in eval); backward returns dx = dy, df = dy * mask."""
+
+    options = {"p": 0.0, "rng": None}
+
     def forward(self, x, f):
         xp = backend.get_array_module(f)
         u = self.rng.random(f.shape, f.dtype)

@@ -8,6 +8,8 @@ class Softmax(Function):
 
     Backward through the saved output: dx = p * (dp - sum(dp * p)).
     """
+    options = {}
+
     def forward(self, x):
         xp = backend.get_array_module(x)
         e = xp.exp(x - x.max(axis=-1, keepdims=True))
@@ -25,6 +27,8 @@ class LogSoftmax(Function):
 
     Backward: dx = dy - softmax(x) * sum(dy), softmax recomputed as exp(y).
     """
+    options = {}
+
     def forward(self, x):
         xp = backend.get_array_module(x)
         m = x.max(axis=-1, keepdims=True)

@@ -238,10 +238,22 @@ class Function:
     Subclass it and call ``MyFunction.apply(*inputs, **options)``. ``forward(*arrays)``
     returns the output array and saves what backward needs on ``self``;
     ``backward(dy)`` returns one gradient per tensor input (None for integer or
-    non-differentiable ones). Keyword options (not tensors) go to ``__init__``.
+    non-differentiable ones). Keyword options (not tensors) become attributes: a subclass
+    declares them, with their defaults, in ``options`` (``options = {"eps": 1e-5}``), and
+    any other keyword is refused; a subclass that declares none (``None``) takes any.
     """
 
+    options = None  # {name: default} of this Function's keyword options
+
     def __init__(self, **options):
+        declared = type(self).options
+        if declared is not None:
+            unknown = sorted(set(options) - set(declared))
+            if unknown:
+                raise TypeError(f"{type(self).__name__} takes the options {sorted(declared)}, "
+                                f"not {unknown}")
+            for k, v in declared.items():
+                setattr(self, k, v)
         for k, v in options.items():
             setattr(self, k, v)
         self.released = False
