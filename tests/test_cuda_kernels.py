@@ -201,7 +201,7 @@ class TestParity:
         key_mask[0, 0] = True
         key_mask[1] = False
         ref = ScaledDotProductAttention(key_mask=key_mask, causal=causal, dropout=0.0, rng=None,
-                                        training=False, store=None)
+                                        training=False)
         ref.forward(q, k, v)
         # the scores as the reference computes them, on the host: a GPU product would use
         # TF32 for float32 (about 1e-3 relative), not what this test compares

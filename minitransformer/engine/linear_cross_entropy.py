@@ -31,6 +31,36 @@ CHUNK_ELEMENTS = 1 << 22  # logits per chunk on a CPU (16 MiB in float32)
 GPU_CHUNK_ELEMENTS = 1 << 26
 
 
+def smoothed_ce_chunk(z, t, valid, c_t, c_o, want_grad, z_sum):
+    """One chunk of rows: logits z (n, V), targets t (n,) (padding rows hold class 0), valid
+    (n,), z_sum (n,) the row sums of z. Per row, in the accumulation dtype:
+        m = max z,  e = exp(z - m),  s = sum e,  lse = m + log s,
+        row_loss = (lse - c_o * z_sum - (c_t - c_o) * z_t) * valid
+    -> (row_loss, s, e') with e' = e - (c_t - c_o) * s * onehot(t) when ``want_grad`` (what
+    the gradient needs; e' reuses z's memory where it can). The NumPy twin of
+    cuda_kernels.smoothed_ce_chunk, which computes the same in one CUDA block per row."""
+    xp = backend.get_array_module(z)
+    acc = backend.accumulation_dtype(z.dtype)
+    z = z.astype(acc, copy=False)
+    r = xp.arange(z.shape[0])
+    z_t = z[r, t]
+    m = z.max(axis=1, keepdims=True)
+    z -= m
+    xp.exp(z, out=z)  # z is now e = exp(z - max)
+    s = z.sum(axis=1)
+    lse = m[:, 0] + xp.log(s)
+    row_loss = (lse - c_o * z_sum - (c_t - c_o) * z_t) * valid
+    if want_grad:
+        z[r, t] -= acc.type(c_t - c_o) * s  # z is now e'
+    return row_loss, s, z
+
+
+def _fused_chunk(z, t, valid, c_t, c_o, want_grad, z_sum):
+    """smoothed_ce_chunk as one CUDA kernel: e' is written over z in z's dtype."""
+    row_loss, s = cuda_kernels.smoothed_ce_chunk(z, t, valid, c_t, c_o, want_grad, z_sum=z_sum)
+    return row_loss, s, z
+
+
 class LinearCrossEntropy(Function):
     """The summed smoothed loss of the logits h W^T (the module docstring): h (..., D),
     w (V, D) (``layout`` "vd") or (D, V) ("dv"), targets t (...) -> a scalar. Options:
@@ -60,45 +90,36 @@ class LinearCrossEntropy(Function):
         w_sum = w.sum(axis=1, dtype=acc) if dv else w.sum(axis=0, dtype=acc)  # (D,)
         h_sum = xp.zeros_like(w_sum)  # sum of h_n over non-padding rows
         rows = max(1, (CHUNK_ELEMENTS if xp is np else GPU_CHUNK_ELEMENTS) // V)
+        chunk_loss = _fused_chunk if cuda_kernels.use_for(xp) else smoothed_ce_chunk
         for a in range(0, h2.shape[0], rows):
             hc, tcc, vc = h2[a:a + rows], tc[a:a + rows], valid[a:a + rows]
             z = hc @ w if dv else hc @ w.T  # (n, V)
             hc = hc.astype(acc, copy=False)
-            z_sum = hc @ w_sum
-            if cuda_kernels.use_for(xp):  # the loss rows and e' below, one CUDA block per row
-                row_loss, s = cuda_kernels.smoothed_ce_chunk(z, tcc, vc, c_t, c_o,
-                                                             self.compute_grad, z_sum=z_sum)
-            else:
-                z = z.astype(acc, copy=False)
-                r = xp.arange(z.shape[0])
-                z_t = z[r, tcc]
-                m = z.max(axis=1, keepdims=True)
-                z -= m
-                xp.exp(z, out=z)  # z is now e = exp(z - max)
-                s = z.sum(axis=1)
-                lse = m[:, 0] + xp.log(s)
-                row_loss = (lse - c_o * z_sum - (c_t - c_o) * z_t) * vc
-                if self.compute_grad:
-                    z[r, tcc] -= acc.type(c_t - c_o) * s  # z is now e'
+            row_loss, s, e = chunk_loss(z, tcc, vc, c_t, c_o, self.compute_grad, hc @ w_sum)
             total += row_loss.sum()
             if self.compute_grad:
-                # dz = [valid] * (e / s - c_o - (c_t - c_o) * onehot(t))
-                #    = [valid] / s * e' - [valid] * c_o,  e' = e - (c_t - c_o) * s * onehot(t),
-                # so the row scale [valid] / s and the constant c_o go into the (n, D) side
-                # of the products: dh = scale * (e' W) - [valid] c_o w_sum,
-                # dW = e'^T (scale * h) - c_o * (sum of valid h_n) for every row v.
-                scale = (vc / s).astype(acc)[:, None]  # (n, 1); 0 on padding rows
-                e = z.astype(h.dtype, copy=False)  # the products in h's dtype
-                self.dh[a:a + rows] = (e @ (w.T if dv else w)) * scale \
-                    - acc.type(c_o) * vc[:, None] * w_sum
-                hs = (hc * scale).astype(h.dtype, copy=False)
-                self.dw += (hs.T @ e) if dv else (e.T @ hs)
+                self._fold_gradient(a, hc, vc, s, e, w, w_sum, c_o, dv)
                 h_sum += (hc * vc[:, None]).sum(axis=0)
         if self.compute_grad:
             c = acc.type(c_o)
             self.dw -= (c * h_sum)[:, None] if dv else c * h_sum  # the c_o term of dW
         self.h_shape, self.w_dtype = h.shape, w.dtype
         return total
+
+    def _fold_gradient(self, a, hc, vc, s, e, w, w_sum, c_o, dv):
+        """Fold the chunk of rows a.. (states hc, validity vc, sums s, e') into dh and dW:
+            dz = [valid] * (e / s - c_o - (c_t - c_o) * onehot(t))
+               = [valid] / s * e' - [valid] * c_o,   e' = e - (c_t - c_o) * s * onehot(t),
+        so the row scale [valid] / s and the constant c_o go into the (n, D) side of the
+        products: dh = scale * (e' W) - [valid] c_o w_sum,  dW = e'^T (scale * h) (the c_o
+        term of dW, c_o * (sum of valid h_n) for every row v, is subtracted at the end)."""
+        acc, dtype = hc.dtype, self.dh.dtype
+        scale = (vc / s).astype(acc)[:, None]  # (n, 1); 0 on padding rows
+        e = e.astype(dtype, copy=False)  # the products in h's dtype
+        self.dh[a:a + len(hc)] = (e @ (w.T if dv else w)) * scale \
+            - acc.type(c_o) * vc[:, None] * w_sum
+        hs = (hc * scale).astype(dtype, copy=False)
+        self.dw += (hs.T @ e) if dv else (e.T @ hs)
 
     def backward(self, dloss):
         # the scaling in the wider dtype: a float16 run's loss scale need not fit float16
