@@ -14,6 +14,10 @@ and restored after), with h and tolerances taken from the dtype. A Module passed
 its parameters checked too and is put in eval mode (dropout off) unless ``train=True``; a
 dropout kept on is made repeatable by re-seeding the generators before every evaluation.
 """
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
 import numpy as np
 
 from .. import backend
@@ -38,8 +42,11 @@ def _is_module(fn):
     return all(hasattr(fn, a) for a in ("named_parameters", "train", "modules", "training"))
 
 
-def gradcheck(fn, inputs, params=(), dtype=np.float64, n_directions=8, full_max=64,
-              eps=None, rtol=None, atol=None, seed=0, train=False, raise_on_failure=True):
+def gradcheck(fn: Callable[..., Tensor], inputs: Sequence[Any], params: Sequence[Any] = (),
+              dtype: Any = np.float64, n_directions: int = 8, full_max: int = 64,
+              eps: Optional[float] = None, rtol: Optional[float] = None,
+              atol: Optional[float] = None, seed: int = 0, train: bool = False,
+              raise_on_failure: bool = True) -> dict:
     """Check fn's gradients w.r.t. float ``inputs`` and ``params`` by finite differences.
 
     Returns a dict ``{name: {"max_abs": .., "max_rel": .., "where": .., "ok": bool}}``

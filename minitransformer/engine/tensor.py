@@ -6,8 +6,11 @@ nodes reachable from ``loss`` and walks them in reverse tape order, calling each
 ``backward`` on raw arrays. The engine, not the op, sums broadcast axes back to each input's
 shape, checks shapes and accumulates (``grad += g``), so a tensor used twice gets the sum.
 """
+from __future__ import annotations
+
 import contextlib
 import itertools
+from typing import Any, Optional
 
 from .. import backend
 
@@ -41,7 +44,8 @@ class Tensor:
     # would leave the product to cupy, which cannot take a Tensor)
     __array_priority__ = 1000
 
-    def __init__(self, data, requires_grad=False, device=None, dtype=None, name=None):
+    def __init__(self, data: Any, requires_grad: bool = False, device: Optional[str] = None,
+                 dtype: Any = None, name: Optional[str] = None) -> None:
         if isinstance(data, Tensor):
             data = data.data
         if device is not None:
@@ -74,21 +78,21 @@ class Tensor:
         grad = ", requires_grad=True" if self.requires_grad else ""
         return f"Tensor(shape={self.shape}, dtype={self.dtype}, device={self.device}{grad})"
 
-    def numpy(self):
+    def numpy(self) -> Any:
         """The values as a NumPy array (copied from the GPU if needed)."""
         return backend.to_numpy(self.data)
 
-    def item(self):
+    def item(self) -> float:
         return self.numpy().item()
 
     def detach(self):
         return Tensor(self.data)
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self.grad = None
 
     # ---- the tape walk ----------------------------------------------------------------
-    def backward(self, grad=None):
+    def backward(self, grad: Any = None) -> None:
         """Reverse-mode sweep from this tensor; gradients accumulate into leaves' ``.grad``.
 
         ``grad`` is the seed gradient dL/dself; it may be omitted only for a scalar.
@@ -245,7 +249,7 @@ class Function:
 
     options = None  # {name: default} of this Function's keyword options
 
-    def __init__(self, **options):
+    def __init__(self, **options: Any) -> None:
         declared = type(self).options
         if declared is not None:
             unknown = sorted(set(options) - set(declared))
@@ -259,7 +263,7 @@ class Function:
         self.released = False
 
     @classmethod
-    def apply(cls, *inputs, **options):
+    def apply(cls, *inputs: Any, **options: Any) -> Tensor:
         fn = cls(**options)
         tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
         out = fn.forward(*(t.data for t in tensors))

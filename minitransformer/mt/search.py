@@ -13,10 +13,15 @@ it ranks among the ``beam`` best candidates of its step (so beam 1 is exactly gr
 sentence stops once it has ``beam`` finished hypotheses, or at the maximum length
 (source length + ``max_len_a``, 50 by default), where active hypotheses are finished as they are.
 """
+from __future__ import annotations
+
+from typing import Any
+
 import numpy as np
 
 from ..backend import to_numpy
 from ..engine.tensor import no_grad
+from ..nn.transformer import Transformer
 
 
 def _length_penalty(length, alpha, kind):
@@ -63,7 +68,7 @@ def top_m(xp, x, m, groups_of=32):
     return top
 
 
-def greedy_search(model, src, max_len_a=50):
+def greedy_search(model: Transformer, src: Any, max_len_a: int = 50) -> list[list[int]]:
     """src ids (B, S) -> list of B token-id lists (EOS and padding stripped)."""
     with no_grad():
         model.eval()
@@ -94,8 +99,9 @@ def greedy_search(model, src, max_len_a=50):
         return out
 
 
-def beam_search(model, src, beam=4, alpha=0.6, max_len_a=50, length_penalty="gnmt",
-                return_all=False):
+def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
+                max_len_a: int = 50, length_penalty: str = "gnmt",
+                return_all: bool = False) -> list:
     """src ids (B, S) -> list of B best token-id lists (EOS stripped).
 
     With ``return_all`` each entry is instead the list of (score, tokens) of the finished

@@ -8,9 +8,12 @@ Every sub-layer is wrapped as the paper does (post-norm):
 or, with ``norm="pre"`` (a later variant), x = x + Dropout(Sublayer(LayerNorm(x))) and one
 final LayerNorm on each stack.
 """
+from __future__ import annotations
+
 import dataclasses
 import json
 import math
+from typing import Any, Optional
 
 import numpy as np
 
@@ -224,7 +227,8 @@ class Transformer(Module):
       enc_norm, dec_norm .{gamma, beta}  only with norm='pre'
     """
 
-    def __init__(self, cfg, seed=0, device="cpu", dtype=np.float32, compute_dtype=None):
+    def __init__(self, cfg: TransformerConfig, seed: int = 0, device: str = "cpu",
+                 dtype: Any = np.float32, compute_dtype: Any = None) -> None:
         self.cfg, self.device, self.dtype = cfg, device, np.dtype(dtype)
         # mixed precision: with compute_dtype float16 the parameters stay ``dtype`` (the
         # master weights the optimizer updates) and the activations, products and their
@@ -303,7 +307,7 @@ class Transformer(Module):
         a = x.data if isinstance(x, Tensor) else x
         return a if hasattr(a, "shape") and not isinstance(a, np.generic) else np.asarray(a)
 
-    def encode(self, src):
+    def encode(self, src: Any) -> tuple[Tensor, Any]:
         """src ids (B, S) -> memory (B, S, D), src_mask bool (B, S) (True = real token)."""
         src = self.ids(src)
         src_mask = src != self.cfg.pad_id
@@ -314,7 +318,8 @@ class Transformer(Module):
             x = self.enc_norm(x)
         return x, src_mask
 
-    def decode(self, tgt_in, memory, src_mask, cache=None, offset=0):
+    def decode(self, tgt_in: Any, memory: Tensor, src_mask: Any, cache: Optional[list] = None,
+               offset: int = 0) -> Tensor:
         """tgt_in ids (B, T) -> decoder output (B, T, D). With ``cache`` (a list with one dict
         per layer), only the new positions are fed; ``offset`` is the first one's position."""
         y = self.embed(self.ids(tgt_in), "tgt", offset)
@@ -327,7 +332,7 @@ class Transformer(Module):
     def _in_compute_dtype(self, p):
         return p if p.dtype == self.compute_dtype else ops.cast(p, self.compute_dtype)
 
-    def logits(self, h):
+    def logits(self, h: Tensor) -> Tensor:
         """Pre-softmax projection (§3.4): h (B, T, D) -> (B, T, V), in the parameters' dtype
         (under mixed precision the product runs in float16 and the scores are widened)."""
         if self.cfg.share_embeddings:
@@ -340,7 +345,7 @@ class Transformer(Module):
         memory, src_mask = self.encode(src)
         return self.logits(self.decode(tgt_in, memory, src_mask))
 
-    def loss(self, src, tgt_in, tgt_out):
+    def loss(self, src: Any, tgt_in: Any, tgt_out: Any) -> tuple[Tensor, int]:
         """Summed label-smoothed cross-entropy over non-padding targets, and their count.
 
         The pre-softmax projection and the loss run as one fused Function
@@ -363,12 +368,12 @@ class Transformer(Module):
         return [{} for _ in self.decoder]
 
     # ---- incremental decoding (mt/search.py) ----
-    def start_decoding(self, src):
+    def start_decoding(self, src: Any) -> DecoderState:
         """Encode src ids (B, S) -> the DecoderState of B rows, before the first token."""
         memory, src_mask = self.encode(src)
         return DecoderState(memory, src_mask, len(self.decoder))
 
-    def next_scores(self, last, state, log_probs=False):
+    def next_scores(self, last: Any, state: DecoderState, log_probs: bool = False) -> Any:
         """Feed the newest tokens ``last`` (B*, 1) of each row of ``state`` -> the scores of
         the token after them, (B*, V) on the model's device: logits, or log-probabilities
         with ``log_probs``. Earlier positions come from the state's caches; the state

@@ -7,8 +7,11 @@ Update for each parameter array (vectorised, no loop over elements), step t = 1,
 On CuPy arrays the update is one fused kernel per parameter, or one over all of them with
 ``flat`` buffers (engine/cuda_kernels.py).
 """
+from __future__ import annotations
+
 import math
 import os
+from typing import Any, Iterable, Optional
 
 from .. import backend
 from ..engine import cuda_kernels
@@ -113,8 +116,9 @@ class Adam:
     formula.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0,
-                 flat=None):
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-9,
+                 weight_decay: float = 0.0, flat: Optional[bool] = None) -> None:
         self.params = list(params)
         self.lr, self.beta1, self.beta2, self.eps = lr, betas[0], betas[1], eps
         self.weight_decay = weight_decay
@@ -152,7 +156,7 @@ class Adam:
         self.flat = (data, grad, m, v)
         self.zero_grad()
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         if self.flat is None:
             for p in self.params:
                 p.grad = None
@@ -167,7 +171,7 @@ class Adam:
         parameter (on a GPU, one kernel launch instead of hundreds)."""
         return self.flat[1] if self._flat_intact() else None
 
-    def gradients(self):
+    def gradients(self) -> list:
         """The arrays holding the gradients, for scaling, checking and clipping: the flat
         buffer alone while intact, else every ``p.grad`` (None where a parameter has none)."""
         flat = self.flat_grad()
@@ -177,7 +181,7 @@ class Adam:
         return self.flat is not None and all(
             p.data is d and p.grad is g for p, d, g in zip(self.params, self._data, self._grad))
 
-    def step(self):
+    def step(self) -> None:
         self.t += 1
         b1, b2 = self.beta1, self.beta2
         c1, c2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
@@ -195,14 +199,14 @@ class Adam:
                 continue
             _adam_update(p.xp, p.data, p.grad, m, v, *hyper)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         from ..backend import to_numpy
         state = {"t": self.t, "lr": self.lr}
         for i, (m, v) in enumerate(zip(self.m, self.v)):  # copies: step() updates m, v in place
             state[f"m.{i}"], state[f"v.{i}"] = to_numpy(m).copy(), to_numpy(v).copy()
         return state
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         self.t, self.lr = int(state["t"]), float(state["lr"])
         for i, p in enumerate(self.params):
             for key, buf in (("m", self.m), ("v", self.v)):
