@@ -20,6 +20,11 @@ from . import checkpoint as ckpt
 from .fileio import atomic_write_text
 
 
+def _path(name):
+    """A property: the path of file ``name`` in the run directory."""
+    return property(lambda self: self.file(name))
+
+
 class RunDir:
     """The directory ``path`` of one training run (see the module docstring)."""
 
@@ -29,33 +34,13 @@ class RunDir:
     def file(self, name):
         return os.path.join(self.path, name)
 
-    @property
-    def config(self):
-        return self.file("config.json")
-
-    @property
-    def spm_model(self):
-        return self.file("spm.model")
-
-    @property
-    def spm_prefix(self):  # sentencepiece writes <prefix>.model and <prefix>.vocab
-        return self.file("spm")
-
-    @property
-    def data(self):
-        return self.file("data")
-
-    @property
-    def last(self):
-        return self.file("checkpoint_last.npz")
-
-    @property
-    def best(self):
-        return self.file("checkpoint_best.npz")
-
-    @property
-    def metrics(self):
-        return self.file("metrics.jsonl")
+    config = _path("config.json")        # the model config and the run's options
+    spm_model = _path("spm.model")       # the sentencepiece model
+    spm_prefix = _path("spm")            # sentencepiece writes <prefix>.model, <prefix>.vocab
+    data = _path("data")                 # the generated corpus (no --data)
+    last = _path("checkpoint_last.npz")  # the latest state
+    best = _path("checkpoint_best.npz")  # the best validation BLEU
+    metrics = _path("metrics.jsonl")
 
     def periodic(self, update):
         return self.file(f"checkpoint_{update}.npz")
