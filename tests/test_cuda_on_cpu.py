@@ -169,9 +169,11 @@ def test_divergence_stops_the_launch_with_a_message(shuffles, name, message, ord
     assert (y == 32).all()
 
 
-def test_block_size_is_checked(shuffles):
+def test_launch_configuration_is_checked(shuffles):
     with pytest.raises(kernels.KernelError, match="block size 2048"):
         shuffles.get_function("warp_sums")((1,), (2048,), (np.ones(2048), np.ones(2048)))
+    with pytest.raises(kernels.KernelError, match="grid of 0 blocks"):
+        shuffles.get_function("warp_sums")((0,), (32,), (np.ones(32), np.ones(32)))
 
 
 # ---- arguments are checked against the kernel's parameters ----------------------------------

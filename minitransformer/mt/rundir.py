@@ -81,9 +81,10 @@ class RunDir:
             return found[-average_last:]
         return [self.best if os.path.exists(self.best) else self.last]
 
-    def load_params(self, checkpoints):
-        """-> (params, meta, description) of one checkpoint, or of the average of several."""
-        if len(checkpoints) > 1:
+    def load_params(self, checkpoints, average=False):
+        """-> (params, meta, description) of one checkpoint, or of the average of several
+        (or, with ``average``, of however many there are)."""
+        if average or len(checkpoints) > 1:
             params, meta = ckpt.average_checkpoints(checkpoints)
             return params, meta, f"average of {len(checkpoints)} checkpoints"
         params, _, meta = ckpt.load_checkpoint(checkpoints[0])

@@ -344,12 +344,12 @@ class Trainer:
         """Train until a stopping rule (--max-updates / --max-epochs / --max-time) or a
         signal. -> True when training finished, False when a signal stopped it (the state
         is then saved in checkpoint_last.npz, to continue with --resume)."""
-        log = Log(self.rd.metrics, self.args.max_updates,
-                  not self.args.no_progress, enabled=self.main, comm=self.comm)
-        log.info(f"model: {count_parameters(self.model):,} parameters, config "
-                 f"{json.dumps(dataclasses.asdict(self.cfg))}")
-        self.batch_iter = iter(self.batches)
         with StopSignals() as stop:
+            log = Log(self.rd.metrics, self.args.max_updates,
+                      not self.args.no_progress, enabled=self.main, comm=self.comm)
+            log.info(f"model: {count_parameters(self.model):,} parameters, config "
+                     f"{json.dumps(dataclasses.asdict(self.cfg))}")
+            self.batch_iter = iter(self.batches)
             reason = self._loop(log, stop)
         if stop.signum is not None:
             self.save(self.rd.last)
@@ -438,7 +438,8 @@ class Trainer:
         if not split or split not in self.files or not os.path.exists(self.files[split][0]):
             return None
         src, ref, _ = read_parallel(*self.files[split])
-        params, _, what = self.rd.load_params(self.rd.choose_checkpoints(a.average_last))
+        params, _, what = self.rd.load_params(self.rd.choose_checkpoints(a.average_last),
+                                              average=bool(a.average_last))
         what = os.path.basename(what) if what.endswith(".npz") else what
         self.model.load_state_dict(params)
         t0 = time.perf_counter()

@@ -48,7 +48,8 @@ def load_model(run_dir, checkpoints=None, average_last=0, device="cpu"):
     the run's choice (RunDir.choose_checkpoints); several are averaged."""
     rd = RunDir(run_dir)
     rd.check_vocabulary(run_dir, {})  # (no spm.model: not a run directory)
-    checkpoints = checkpoints or rd.choose_checkpoints(average_last)
+    if average_last or not checkpoints:  # (--average-last wins over --checkpoint)
+        checkpoints = rd.choose_checkpoints(average_last)
     params, meta, what = rd.load_params(checkpoints)
     tok = Tokenizer(rd.spm_model)
     rd.check_vocabulary(checkpoints[0], meta, tok.vocab_size)

@@ -35,6 +35,7 @@
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define SIM_ASAN 1
 #else
@@ -63,6 +64,7 @@ asm(".text\n.p2align 4\n.globl sim_switch_stacks\n.hidden sim_switch_stacks\n"
 namespace sim {
 enum State { RUNNABLE, AT_SYNC, AT_WARP, DONE };
 constexpr std::size_t STACK = 256 * 1024;  // per fiber; mapped lazily, reused across launches
+constexpr std::size_t GUARD = 4096;        // an inaccessible page below each stack
 
 struct Fiber {
 #if SIM_FAST_SWITCH
@@ -112,12 +114,15 @@ inline std::vector<Fiber>& pool() {
 }
 
 // ---- switching ----
-inline void to_scheduler() {
+// ``abandon``: the fiber is never resumed (a failed launch), so ASan may drop its fake stack.
+inline void to_scheduler(bool abandon = false) {
     Fiber* f = R->cur;
     ++R->switches;
 #if SIM_ASAN
-    __sanitizer_start_switch_fiber(f->state == DONE ? nullptr : &f->fake_stack, R->main_bottom,
+    __sanitizer_start_switch_fiber(abandon ? nullptr : &f->fake_stack, R->main_bottom,
                                    R->main_size);
+#else
+    (void)abandon;
 #endif
 #if SIM_FAST_SWITCH
     sim_switch_stacks(&f->sp, R->scheduler_sp);
@@ -145,6 +150,9 @@ inline void fiber_main() {
 // multiple of 64 bytes per thread, so the threads' frames do not all map to the same cache set.
 inline void start(Fiber& f, unsigned t) {
     const std::size_t size = STACK - 64 * (t % 61);
+#if SIM_ASAN
+    ASAN_UNPOISON_MEMORY_REGION(f.stack, STACK);  // a failed launch may have left redzones
+#endif
 #if SIM_FAST_SWITCH
     auto* top = reinterpret_cast<void**>(
         (reinterpret_cast<std::uintptr_t>(f.stack) + size) & ~std::uintptr_t(15));
@@ -172,7 +180,7 @@ inline void resume(Fiber& f) {
     swapcontext(&R->scheduler, &f.ctx);
 #endif
 #if SIM_ASAN
-    __sanitizer_finish_switch_fiber(R->main_fake_stack, &R->main_bottom, &R->main_size);
+    __sanitizer_finish_switch_fiber(R->main_fake_stack, nullptr, nullptr);
 #endif
     R->cur = nullptr;
 }
@@ -193,7 +201,7 @@ inline void record(const char* what, const Fiber* f) {
     R->cur->line = line;
     record(what, R->cur);
     R->cur->state = DONE;
-    to_scheduler();
+    to_scheduler(true);
     __builtin_unreachable();
 }
 
@@ -318,14 +326,16 @@ inline int launch(unsigned grid, unsigned block, int reverse, void (*body)(void*
     std::vector<Fiber>& fibers = pool();
     while (fibers.size() < block) {
         fibers.emplace_back();
-        void* p = mmap(nullptr, STACK, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p == MAP_FAILED) {
+        // a stack and, below it, a guard page: an overflow faults instead of writing into
+        // the neighbouring thread's stack
+        char* p = static_cast<char*>(mmap(nullptr, STACK + GUARD, PROT_READ | PROT_WRITE,
+                                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+        if (p == MAP_FAILED || mprotect(p, GUARD, PROT_NONE) != 0) {
             fibers.pop_back();
             std::snprintf(error_text, sizeof error_text, "no memory for %u fiber stacks", block);
             return 1;
         }
-        fibers.back().stack = static_cast<char*>(p);
+        fibers.back().stack = p + GUARD;
     }
     static Run run;  // large (the shuffle slots): not on the caller's stack
     Run* saved = R;

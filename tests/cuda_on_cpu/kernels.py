@@ -185,7 +185,7 @@ class RawKernel:
             a = np.bool_(a) if isinstance(a, bool) else np.asarray(a)[()]
         if isinstance(a, np.generic):
             have = _code(a.dtype)
-            if want != have:
+            if want != have or have not in _CTYPES:
                 raise KernelError(f"{where} is a {a.dtype} scalar ({have}); the kernel takes "
                                   f"{want}: pass np.{_name_of(want)}(...)")
             return _CTYPES[have](a.item())
@@ -196,6 +196,8 @@ class RawKernel:
         grid, block = tuple(np.atleast_1d(grid)), tuple(np.atleast_1d(block))
         if any(int(g) != 1 for g in grid[1:] + block[1:]):
             raise NotImplementedError("1-D grids and blocks only in the CUDA-on-CPU harness")
+        if not 1 <= int(grid[0]) < 2 ** 31 - 1:  # (CUDA: invalid configuration)
+            raise KernelError(f"{self.expr}: grid of {int(grid[0])} blocks; give at least 1")
         args = tuple(args)
         if len(args) != len(self.signature):
             raise KernelError(f"{self.expr} takes {len(self.signature)} arguments, got "
