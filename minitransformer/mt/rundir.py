@@ -90,12 +90,16 @@ class RunDir:
         params, _, meta = ckpt.load_checkpoint(checkpoints[0])
         return params, meta, checkpoints[0]
 
-    def check_vocabulary(self, where, meta, vocab_size=None):
-        """Refuse a checkpoint (``where``, its ``meta``) trained with another sentencepiece
-        model than this run's, or a model whose vocabulary size is not the tokenizer's."""
+    def require_spm_model(self):
+        """Refuse a directory without the run's sentencepiece model (not a training run)."""
         if not os.path.exists(self.spm_model):
             raise ckpt.CheckpointError(f"--run-dir {self.path}: no spm.model (is it a training "
                                        "run directory?)")
+
+    def check_vocabulary(self, where, meta, vocab_size=None):
+        """Refuse a checkpoint (``where``, its ``meta``) trained with another sentencepiece
+        model than this run's, or a model whose vocabulary size is not the tokenizer's."""
+        self.require_spm_model()
         if meta.get("spm_sha256") not in (None, ckpt.file_sha256(self.spm_model)):
             raise ckpt.CheckpointError(f"{where} was trained with another sentencepiece "
                                        f"vocabulary than {self.spm_model}; use the run "

@@ -144,7 +144,6 @@ class Trainer:
             raise SystemExit(f"error: --precision float16 needs a GPU (--device cuda); this run's "
                              f"device is {device}, where NumPy's float16 matrix products are "
                              "slow and round every partial sum to float16: use float32 here")
-        self.run_dir = args.run_dir
         self.rd = RunDir(args.run_dir)
         self._open_run_dir()
         fill_defaults(args)
@@ -158,14 +157,14 @@ class Trainer:
     def _open_run_dir(self):
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
         fill in those this command line does not give). Nothing in it is overwritten."""
-        os.makedirs(self.run_dir, exist_ok=True)
+        os.makedirs(self.rd.path, exist_ok=True)
         if self.args.resume:
             if not self.rd.holds_run() or not os.path.exists(self.rd.config):
                 raise SystemExit(f"error: --resume: no checkpoint_last.npz and config.json in "
-                                 f"--run-dir {self.run_dir}; start without --resume")
-            restore_for_resume(self.args, self.rd.read_config(), self.run_dir)
+                                 f"--run-dir {self.rd.path}; start without --resume")
+            restore_for_resume(self.args, self.rd.read_config(), self.rd.path)
         elif self.rd.holds_run():
-            raise SystemExit(f"error: --run-dir {self.run_dir} already holds a run "
+            raise SystemExit(f"error: --run-dir {self.rd.path} already holds a run "
                              "(checkpoint_last.npz); pass --resume to continue it or choose "
                              "another --run-dir (nothing was overwritten)")
 
@@ -193,16 +192,15 @@ class Trainer:
         a = self.args
         self._find_corpus()
         src, tgt, stats = read_parallel(*self.files[a.train_split])
-        self.spm_path = self.rd.spm_model
-        if self.main and not os.path.exists(self.spm_path):
+        if self.main and not os.path.exists(self.rd.spm_model):
             self._log_early(f"training a joint sentencepiece model, vocabulary {a.vocab_size}")
             train_sentencepiece(list(self.files[a.train_split]),
                                 self.rd.spm_prefix, a.vocab_size,
                                 model_type=a.spm_type)
         if self.comm:
             self.comm.barrier()
-        self.tok = Tokenizer(self.spm_path)
-        self.spm_sha = ckpt.file_sha256(self.spm_path)
+        self.tok = Tokenizer(self.rd.spm_model)
+        self.spm_sha = ckpt.file_sha256(self.rd.spm_model)
         resegment = None
         if a.subword_alpha > 0:
             samplers = [SubwordSampler(self.tok, lines, a.subword_alpha, a.subword_nbest)

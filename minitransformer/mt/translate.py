@@ -47,7 +47,7 @@ def load_model(run_dir, checkpoints=None, average_last=0, device="cpu"):
     """-> (model, tokenizer, description) from a run directory: the given checkpoint(s), or
     the run's choice (RunDir.choose_checkpoints); several are averaged."""
     rd = RunDir(run_dir)
-    rd.check_vocabulary(run_dir, {})  # (no spm.model: not a run directory)
+    rd.require_spm_model()
     if average_last or not checkpoints:  # (--average-last wins over --checkpoint)
         checkpoints = rd.choose_checkpoints(average_last)
     params, meta, what = rd.load_params(checkpoints)
