@@ -1,0 +1,134 @@
+"""The layers of the Transformer (§3.1-3.5): sinusoidal positions, multi-head attention, the
+position-wise feed-forward network, the residual sub-layer connection, and the encoder and
+decoder layers built from them. transformer.py assembles them into the model.
+
+Shapes: B batch, S source length, T target length, D d_model, H heads, K = D / H, F d_ff.
+"""
+
+import numpy as np
+
+from .. import backend
+from ..engine import ops
+from ..engine.attention import attention_probabilities, scaled_dot_product_attention
+from ..engine.residual import dropout_residual
+from ..engine.tensor import Tensor
+from .module import Dropout, LayerNorm, Linear, Module
+
+
+def sinusoids(n_positions, d_model, layout="interleaved", dtype=np.float32):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(pos / 10000^(2i/D)) (§3.5).
+
+    'concat' puts all sines first, then all cosines (a common variant).
+    """
+    pos = np.arange(n_positions, dtype=np.float64)[:, None]
+    inv = 10000.0 ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)
+    angles = pos * inv  # (P, D/2)
+    pe = np.zeros((n_positions, d_model))
+    if layout == "interleaved":
+        pe[:, 0::2], pe[:, 1::2] = np.sin(angles), np.cos(angles[:, : d_model // 2])
+    else:
+        half = angles.shape[1]
+        pe[:, :half], pe[:, half:] = np.sin(angles), np.cos(angles[:, : d_model - half])
+    return pe.astype(dtype)
+
+
+class MultiHeadAttention(Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_H) W^O,
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+    The H projections of each kind are one (D, D) matrix; heads are its K-column blocks.
+    query (B, T, D), memory (B, S, D) -> (B, T, D).
+    """
+
+    def __init__(self, cfg, rng, init, dtype, device):
+        D = cfg.d_model
+        self.n_heads, self.cfg, self.rng = cfg.n_heads, cfg, rng
+        self.wq, self.wk, self.wv, self.wo = (Linear(D, D, rng=init, dtype=dtype, device=device)
+                                              for _ in range(4))
+        self.store = None  # set to a list to record attention maps (B, H, T, S)
+
+    def forward(self, query, memory, key_mask, causal, cache=None, static_kv=False):
+        """cache: dict for incremental decoding; static_kv: memory's keys/values never change
+        (encoder-decoder attention), so they are computed once and kept in the cache."""
+        H = self.n_heads
+        q = ops.split_heads(self.wq(query), H)  # (B, H, T, K)
+        if cache is not None and static_kv and "k" in cache:
+            k, v = cache["k"], cache["v"]
+        else:
+            k = ops.split_heads(self.wk(memory), H)  # (B, H, S, K)
+            v = ops.split_heads(self.wv(memory), H)
+            if cache is not None:
+                if not static_kv and "k" in cache:  # self-attention: append this step's keys
+                    xp = k.xp
+                    k = Tensor(xp.concatenate([cache["k"].data, k.data], axis=2))
+                    v = Tensor(xp.concatenate([cache["v"].data, v.data], axis=2))
+                cache["k"], cache["v"] = k, v
+        out = scaled_dot_product_attention(q, k, v, key_mask=key_mask, causal=causal,
+                                           dropout=self.cfg.attention_dropout, rng=self.rng,
+                                           training=self.training)
+        if self.store is not None:  # attention maps for plots, (B, H, T, S), recomputed
+            mask = key_mask.data if isinstance(key_mask, Tensor) else key_mask
+            self.store.append(backend.to_numpy(attention_probabilities(q.data, k.data, mask,
+                                                                       causal)))
+        return self.wo(ops.merge_heads(out, H))
+
+
+class FeedForward(Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  (§3.3): (B, T, D) -> (B, T, F) -> (B, T, D)."""
+
+    def __init__(self, cfg, rng, init, dtype, device):
+        self.w1 = Linear(cfg.d_model, cfg.d_ff, rng=init, dtype=dtype, device=device)
+        self.w2 = Linear(cfg.d_ff, cfg.d_model, rng=init, dtype=dtype, device=device)
+        self.drop = Dropout(cfg.relu_dropout, rng)
+
+    def forward(self, x):
+        return self.w2(self.drop(ops.relu(self.w1(x))))
+
+
+class SublayerConnection(Module):
+    """post: LayerNorm(x + Dropout(f(x)));  pre: x + Dropout(f(LayerNorm(x))).
+
+    The dropout and the residual add are one fused Function (engine/residual.py).
+    """
+
+    def __init__(self, cfg, rng, dtype, device):
+        self.norm = LayerNorm(cfg.d_model, cfg.ln_eps, dtype=dtype, device=device)
+        self.drop = Dropout(cfg.dropout, rng)
+        self.pre = cfg.norm == "pre"
+
+    def forward(self, x, f):
+        d = self.drop
+        if self.pre:
+            return dropout_residual(x, f(self.norm(x)), d.p, d.rng, d.training)
+        return self.norm(dropout_residual(x, f(x), d.p, d.rng, d.training))
+
+
+class EncoderLayer(Module):
+    def __init__(self, cfg, rng, init, dtype, device):
+        self.self_attn = MultiHeadAttention(cfg, rng, init, dtype, device)
+        self.ff = FeedForward(cfg, rng, init, dtype, device)
+        self.sub1 = SublayerConnection(cfg, rng, dtype, device)
+        self.sub2 = SublayerConnection(cfg, rng, dtype, device)
+
+    def forward(self, x, src_mask):
+        x = self.sub1(x, lambda h: self.self_attn(h, h, src_mask, causal=False))
+        return self.sub2(x, self.ff)
+
+
+class DecoderLayer(Module):
+    def __init__(self, cfg, rng, init, dtype, device):
+        self.self_attn = MultiHeadAttention(cfg, rng, init, dtype, device)
+        self.cross_attn = MultiHeadAttention(cfg, rng, init, dtype, device)
+        self.ff = FeedForward(cfg, rng, init, dtype, device)
+        self.sub1 = SublayerConnection(cfg, rng, dtype, device)
+        self.sub2 = SublayerConnection(cfg, rng, dtype, device)
+        self.sub3 = SublayerConnection(cfg, rng, dtype, device)
+
+    def forward(self, y, memory, src_mask, cache=None):
+        c_self = c_cross = None
+        if cache is not None:
+            c_self, c_cross = cache.setdefault("self", {}), cache.setdefault("cross", {})
+        y = self.sub1(y, lambda h: self.self_attn(h, h, None, causal=True, cache=c_self))
+        y = self.sub2(y, lambda h: self.cross_attn(h, memory, src_mask, causal=False,
+                                                   cache=c_cross, static_kv=True))
+        return self.sub3(y, self.ff)
