@@ -12,7 +12,10 @@ projections at n = 2D. Batch B = tokens // n keeps the work of the projections c
 Writes bench/results/attention_scaling-t<threads>.{json,csv,png} and re-renders
 bench/RESULTS.md.
 """
-import minitransformer  # noqa: F401  (sets OPENBLAS_CORETYPE before numpy loads)
+import minitransformer
+
+if __name__ == "__main__":
+    minitransformer.configure_process()  # OPENBLAS_CORETYPE before numpy loads
 
 import argparse
 import csv

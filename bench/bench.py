@@ -33,9 +33,10 @@ import os
 import sys
 
 if sys.argv[1:3] != ["--worker", "torch"]:
-    # Sets OPENBLAS_CORETYPE before numpy loads OpenBLAS (the torch worker inherits the
-    # environment; it imports only minitransformer's batching helpers, through common.py).
-    import minitransformer  # noqa: F401
+    # BLAS core type, malloc and TF32 as train.py sets them, before numpy loads OpenBLAS (the
+    # torch worker inherits the environment; it imports only the batching helpers).
+    import minitransformer
+    minitransformer.configure_process()
 
 import argparse
 import cProfile

@@ -1,15 +1,35 @@
-"""minitransformer: "Attention Is All You Need", framework-free, on NumPy (CPU) or CuPy (GPU)."""
-from ._blas import configure_cpu_blas as _configure_cpu_blas
-from ._malloc import configure_allocator as _configure_allocator
+"""minitransformer: "Attention Is All You Need", framework-free, on NumPy (CPU) or CuPy (GPU).
 
-_configure_cpu_blas()  # before numpy's OpenBLAS starts (no effect if numpy was imported first)
-_configure_allocator()  # keep freed arrays in the heap: no page faults on every step
+Importing the package has no side effects and loads nothing heavy: the names below are
+imported on first use. Programs that train call ``configure_process()`` first (process.py).
+"""
+import importlib
 
-from . import engine, functional, nn, optim  # noqa: E402
-from .backend import Generator, cupy_available, get_array_module, to_numpy  # noqa: E402
-from .engine import Function, GradcheckError, Tensor, gradcheck, no_grad  # noqa: E402
+from .process import configure_process
 
 __version__ = "0.1.0"
-__all__ = ["Tensor", "Function", "gradcheck", "GradcheckError", "no_grad", "Generator",
-           "cupy_available", "get_array_module", "to_numpy", "engine", "nn", "optim",
-           "functional"]
+
+# name -> the submodule that defines it (a submodule itself where the value is None)
+_LAZY = {
+    "Tensor": "engine", "Function": "engine", "gradcheck": "engine", "GradcheckError": "engine",
+    "no_grad": "engine", "Generator": "backend", "cupy_available": "backend",
+    "get_array_module": "backend", "to_numpy": "backend",
+    "engine": None, "nn": None, "optim": None, "functional": None, "backend": None,
+}
+__all__ = ["configure_process"] + list(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'minitransformer' has no attribute {name!r}")
+    where = _LAZY[name]
+    if where is None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

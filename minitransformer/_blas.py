@@ -7,7 +7,7 @@ def configure_cpu_blas(environ=os.environ, cpuinfo_path="/proc/cpuinfo"):
 
     NumPy's bundled OpenBLAS may pick AVX2 kernels on AVX-512 machines; with
     OPENBLAS_CORETYPE=SkylakeX float32 GEMM runs about twice as fast. It must be set before
-    numpy is first imported (``minitransformer/__init__`` calls this first) and only where
+    numpy is first imported (``process.configure_process`` calls this first) and only where
     the CPU reports avx512f, avx512bw, avx512dq and avx512vl (elsewhere it crashes).
     A value the user set is kept. Returns the value in force, or None.
     """

@@ -11,6 +11,8 @@ import ctypes
 import ctypes.util
 import os
 
+from .settings import read as read_settings
+
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # <malloc.h>
 SETTINGS = (
     (M_MMAP_THRESHOLD, 32 << 20),  # blocks up to 32 MiB (glibc's maximum) come from the heap
@@ -40,7 +42,7 @@ def configure_allocator(environ=os.environ, libc=None):
     MINITRANSFORMER_MALLOC=0, and where the C library is not glibc. Freed memory stays with
     the process (up to 1 GiB); the peak resident size does not change.
     """
-    if environ.get("MINITRANSFORMER_MALLOC", "1") == "0":
+    if not read_settings(environ).malloc:
         return False
     if any(v in environ for v in USER_VARIABLES):
         return False

@@ -4,14 +4,9 @@ Every op calls ``xp = get_array_module(*arrays)`` and then uses ``xp.*``, so one
 serves both devices. The device is chosen explicitly: ``Tensor(..., device="cuda")``, a
 ``device=`` argument of the model and CLI, or ``MINITRANSFORMER_DEVICE=cuda`` for the CLI.
 """
-import os
-
 import numpy as np
 
-# float32 products on the GPU use TF32 tensor cores (10-bit significand inputs, float32
-# sums; NVIDIA Ampere and later), as is usual for training. CuPy reads the switch when it is
-# imported; CUPY_TF32=0 in the environment keeps full float32 products.
-os.environ.setdefault("CUPY_TF32", "1")
+from .settings import SETTINGS
 
 _cupy = None
 _cupy_error = None
@@ -52,7 +47,7 @@ def get_xp(device):
 
 def default_device():
     """The device named by MINITRANSFORMER_DEVICE, else 'cpu'."""
-    return os.environ.get("MINITRANSFORMER_DEVICE", "cpu").lower()
+    return SETTINGS.device
 
 
 def get_array_module(*arrays):
@@ -73,6 +68,13 @@ def accumulation_dtype(dtype):
     significand loses small terms of a long sum, and its range ends at 65504), else ``dtype``."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
+def cast(x, dtype):
+    """``x`` in ``dtype``, the same array when it already is. The one widen / narrow of the
+    ops: float16 arrays are widened to ``accumulation_dtype`` for sums, exponentials and
+    normalisation, and the result narrowed back to the input's dtype."""
+    return x.astype(dtype, copy=False)
 
 
 def to_numpy(array):

@@ -13,7 +13,12 @@ import shutil
 import subprocess
 import sys
 
-from . import _blas, backend  # noqa: F401  (_blas: OpenBLAS set-up on import)
+from .process import configure_process
+
+if __name__ == "__main__":
+    configure_process()  # as train.py does, so the BLAS reported is the one training gets
+
+from . import backend  # noqa: E402
 
 AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
 FAST_CORES = ("skylakex", "cooperlake", "sapphirerapids")  # OpenBLAS's AVX-512 kernels
@@ -82,7 +87,7 @@ def check_blas():
                               f"{core or 'its default'} kernels, not its AVX-512 ones "
                               "(float32 GEMM about 2x slower)",
                       "export OPENBLAS_CORETYPE=SkylakeX   (before Python starts; "
-                      "minitransformer sets it itself when imported before NumPy)"))
+                      "train.py and translate.py set it themselves)"))
     else:
         lines.append(("ok", f"{cpu}; OPENBLAS_CORETYPE={coretype or 'unset'}"
                             + (" (set for the AVX-512 kernels)" if coretype else ""), None))

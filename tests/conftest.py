@@ -8,10 +8,14 @@ the test is skipped with the reason.
 """
 import os
 
-import numpy as np
-import pytest
+import minitransformer
 
-from minitransformer import Tensor, backend
+minitransformer.configure_process()  # the process the command lines run in (BLAS, malloc, TF32)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from minitransformer import Tensor, backend  # noqa: E402
 
 REAL_GPU = backend.cupy_available()  # before any test puts the stand-in in place
 

@@ -312,7 +312,7 @@ def test_gradcheck_skips_integer_inputs(xp, arrays):
 def test_embedding_padding_row_gets_zero_gradient(xp, arrays, assert_close):
     ids = arrays.asarray(np.array([[1, 0, 3], [3, 0, 0]]))
     w = leaf(arrays, 5, 2)
-    y = F.embedding(ids, w, padding_idx=0)
+    y = F.embedding(ids, w, pad_id=0)
     assert_close(y.numpy()[0, 1], w.numpy()[0], 0, 0, "the padding id still looks up its row")
     g = arrays.randn(2, 3, 2)
     y.backward(g)
@@ -320,7 +320,7 @@ def test_embedding_padding_row_gets_zero_gradient(xp, arrays, assert_close):
     expected = np.zeros((5, 2))
     expected[1] = gn[0, 0]
     expected[3] = gn[0, 2] + gn[1, 0]  # a repeated id sums its rows
-    assert_close(w.grad, expected, 1e-15, 0, "embedding dW with padding_idx=0")
+    assert_close(w.grad, expected, 1e-15, 0, "embedding dW with pad_id=0")
     assert (arrays.numpy(w.grad)[0] == 0).all()
 
 

@@ -1,5 +1,6 @@
 """Device selection, the seedable Generator, and the CPU BLAS set-up."""
 import copy
+import os
 import json
 import pickle
 
@@ -8,7 +9,7 @@ import pytest
 
 import minitransformer as mt
 from minitransformer import Tensor, backend
-from minitransformer import _malloc
+from minitransformer import _malloc, settings
 from minitransformer._blas import configure_cpu_blas
 from minitransformer._malloc import configure_allocator
 
@@ -37,9 +38,9 @@ def test_cpu_is_numpy_and_the_default(monkeypatch):
     t = Tensor([1.0, 2.0], device="cpu")
     assert isinstance(t.data, np.ndarray) and t.device == "cpu"
     assert backend.get_array_module(np.zeros(1), 1.0, None) is np
-    monkeypatch.delenv("MINITRANSFORMER_DEVICE", raising=False)
-    assert backend.default_device() == "cpu"
-    monkeypatch.setenv("MINITRANSFORMER_DEVICE", "CUDA")
+    assert settings.read({}).device == "cpu"
+    assert settings.read({"MINITRANSFORMER_DEVICE": "CUDA"}).device == "cuda"
+    monkeypatch.setattr(settings.SETTINGS, "device", "cuda")
     assert backend.default_device() == "cuda"
 
 
@@ -226,3 +227,24 @@ def test_glibc_accepts_the_settings():
     if libc is None:
         pytest.skip("not glibc")
     assert configure_allocator({}, libc) is True
+
+
+# ---- importing the package ----------------------------------------------------------------------
+def test_import_has_no_side_effects_and_configure_process_opts_in():
+    """`import minitransformer` (and using its names) leaves the environment and NumPy's set-up
+    alone; configure_process() is what the command lines call, before NumPy loads."""
+    import subprocess
+    import sys
+    code = (
+        "import os, sys, json\n"
+        "before = dict(os.environ)\n"
+        "import minitransformer as mt\n"
+        "lazy = 'numpy' not in sys.modules\n"
+        "mt.Tensor([1.0]); mt.nn.Linear\n"
+        "untouched = dict(os.environ) == before\n"
+        "mt.configure_process()\n"
+        "print(json.dumps([lazy, untouched, os.environ.get('CUPY_TF32')]))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("CUPY_TF32", "OPENBLAS_CORETYPE")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert json.loads(out) == [True, True, "1"]

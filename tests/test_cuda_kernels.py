@@ -252,7 +252,7 @@ class TestParity:
         rng = _rng()
         x, f = (rng.standard_normal((4, 7, 77)).astype(dtype) for _ in range(2))
         gen = backend.Generator(seed=3)  # the same uniforms Dropout draws (CPU generator)
-        ref = Dropout(p=0.3, rng=gen)
+        ref = Dropout(rate=0.3, rng=gen)
         y_ref = x + ref.forward(f)
         gen.seed(3)
         u = gen.random(f.shape, dtype)
@@ -332,7 +332,7 @@ class TestParity:
         t = rng.integers(1, V, N)
         t[[3, 4, 20]] = pad
         ht = Tensor(h, requires_grad=True)
-        loss_ref, _ = linear_cross_entropy(ht, Tensor(w), t, label_smoothing=0.1, pad_idx=pad)
+        loss_ref, _ = linear_cross_entropy(ht, Tensor(w), t, label_smoothing=0.1, pad_id=pad)
         loss_ref.backward()
         c_t, c_o = smoothing_weights(0.1, V)
         # the products on the host, as the NumPy op computes them (on the GPU float32 ones

@@ -21,6 +21,7 @@ from minitransformer.engine.tensor import Tensor
 from minitransformer.mt import checkpoint as ckpt
 from minitransformer.mt import distributed as dist
 from minitransformer.mt import train as train_cli
+from minitransformer.settings import SETTINGS
 
 from conftest import REAL_GPU, small_corpus
 
@@ -146,7 +147,7 @@ def test_train_py_hands_the_flat_buffer_to_the_all_reduce(tmp_path, monkeypatch)
         return allreduce(self, ps, loss_sum, n_tok, flat_grad=flat_grad)
     monkeypatch.setattr(dist.Comm, "allreduce_grads", recording)
     for flat in ("0", "1"):
-        monkeypatch.setenv("MINITRANSFORMER_FLAT_ADAM", flat)
+        monkeypatch.setattr(SETTINGS, "flat_adam", flat == "1")
         run = str(tmp_path / flat)
         comm = dist.Comm(MPI, _OneRank())
         assert train_cli.main(SMALL + ["--run-dir", run, "--max-updates", "4",

@@ -156,13 +156,13 @@ def naive_attention(q, k, v, key_mask=None, causal=False):
     return out
 
 
-def naive_cross_entropy(z, t, eps, pad_idx, smoothing):
+def naive_cross_entropy(z, t, eps, pad_id, smoothing):
     """sum over non-padding tokens of -sum_v q_v log softmax(z)_v, q built explicitly."""
     V = z.shape[-1]
     z, t = z.reshape(-1, V), t.reshape(-1)
     total = 0.0
     for n in range(len(t)):
-        if pad_idx is not None and t[n] == pad_idx:
+        if pad_id is not None and t[n] == pad_id:
             continue
         if smoothing == "others":
             q = [1 - eps if v == t[n] else eps / (V - 1) for v in range(V)]
@@ -308,7 +308,7 @@ CASES = [
     # the true derivative (test_autograd checks that row); repeated ids must accumulate
     Case("embedding", ops.Embedding,
          lambda A, dt: [A.asarray(np.array([[1, 2, 1], [4, 3, 3]])), A.randn(5, 3, dtype=dt)],
-         lambda ids, w: F.embedding(ids, w, padding_idx=0), naive_embedding),
+         lambda ids, w: F.embedding(ids, w, pad_id=0), naive_embedding),
     # fused
     Case("softmax", Softmax, _r(3, 5), F.softmax, naive_softmax),
     Case("softmax_3d", Softmax, _r(2, 2, 4), F.softmax, naive_softmax),
@@ -347,21 +347,21 @@ CASES = [
          lambda q, k, v: F.scaled_dot_product_attention(q, k, v, key_mask=_mask(q), dropout=0.3,
                                                         rng=_gen(q), training=True)),
     Case("cross_entropy_others", SoftmaxCrossEntropy, _r(2, 3, 5),
-         lambda z: F.softmax_cross_entropy(z, _targets(z), 0.1, pad_idx=0)[0],
+         lambda z: F.softmax_cross_entropy(z, _targets(z), 0.1, pad_id=0)[0],
          lambda z: naive_cross_entropy(z, CE_TARGETS, 0.1, 0, "others")),
     Case("cross_entropy_uniform", SoftmaxCrossEntropy, _r(2, 3, 5),
-         lambda z: F.softmax_cross_entropy(z, _targets(z), 0.2, pad_idx=0, smoothing="uniform")[0],
+         lambda z: F.softmax_cross_entropy(z, _targets(z), 0.2, pad_id=0, smoothing="uniform")[0],
          lambda z: naive_cross_entropy(z, CE_TARGETS, 0.2, 0, "uniform")),
     Case("cross_entropy_plain", SoftmaxCrossEntropy, _r(6, 5),
          lambda z: F.softmax_cross_entropy(z, _targets(z).reshape(-1))[0],
          lambda z: naive_cross_entropy(z, CE_TARGETS, 0.0, None, "others")),
     Case("linear_cross_entropy_vd", LinearCrossEntropy,
          lambda A, dt: [A.randn(2, 3, 4, dtype=dt), A.randn(5, 4, dtype=dt)],
-         lambda h, w: F.linear_cross_entropy(h, w, _targets(h), 0.1, pad_idx=0)[0],
+         lambda h, w: F.linear_cross_entropy(h, w, _targets(h), 0.1, pad_id=0)[0],
          lambda h, w: naive_cross_entropy(h @ w.T, CE_TARGETS, 0.1, 0, "others")),
     Case("linear_cross_entropy_dv", LinearCrossEntropy,
          lambda A, dt: [A.randn(2, 3, 4, dtype=dt), A.randn(4, 5, dtype=dt)],
-         lambda h, w: F.linear_cross_entropy(h, w, _targets(h), 0.2, pad_idx=0,
+         lambda h, w: F.linear_cross_entropy(h, w, _targets(h), 0.2, pad_id=0,
                                              smoothing="uniform", layout="dv")[0],
          lambda h, w: naive_cross_entropy(h @ w, CE_TARGETS, 0.2, 0, "uniform")),
 ]
@@ -415,17 +415,17 @@ def test_forward_matches_naive_formula(case, arrays, assert_close):
     assert_close(out, expected, rtol=1e-12, atol=1e-12, what=f"{case.id} forward")
 
 
-@pytest.mark.parametrize("p", [0.25, 0.5])
-def test_dropout_forward_zeroes_and_rescales(xp, arrays, p, assert_close):
+@pytest.mark.parametrize("rate", [0.25, 0.5])
+def test_dropout_forward_zeroes_and_rescales(xp, arrays, rate, assert_close):
     x = arrays.uniform(1.0, 2.0, 40, 50)  # no zeros: a zero output means dropped
-    y = arrays.numpy(F.dropout(Tensor(x), p, mt.Generator(3, device=Tensor(x).device)))
+    y = arrays.numpy(F.dropout(Tensor(x), rate, mt.Generator(3, device=Tensor(x).device)))
     u = arrays.numpy(mt.Generator(3, device=Tensor(x).device).random(x.shape, np.float64))
-    keep = u >= p
-    assert_close(y, np.where(keep, arrays.numpy(x) / (1 - p), 0.0), 1e-15, 0, "dropout")
-    assert abs(keep.mean() - (1 - p)) < 0.05, f"kept fraction {keep.mean()} for p={p}"
-    # off in eval mode or at p = 0: the same tensor comes back
+    keep = u >= rate
+    assert_close(y, np.where(keep, arrays.numpy(x) / (1 - rate), 0.0), 1e-15, 0, "dropout")
+    assert abs(keep.mean() - (1 - rate)) < 0.05, f"kept fraction {keep.mean()} for rate={rate}"
+    # off in eval mode or at rate = 0: the same tensor comes back
     t = Tensor(x, requires_grad=True)
-    assert F.dropout(t, p, mt.Generator(3), training=False) is t
+    assert F.dropout(t, rate, mt.Generator(3), training=False) is t
     assert F.dropout(t, 0.0, mt.Generator(3)) is t
     with pytest.raises(ValueError, match="dropout rate"):
         F.dropout(t, 1.0, mt.Generator(3))

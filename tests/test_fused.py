@@ -229,19 +229,19 @@ def test_attention_large_scores_are_finite(xp, arrays, assert_close):
 
 
 # ---- SoftmaxCrossEntropy ------------------------------------------------------------------------
-def smoothed_targets(t, V, eps, pad_idx, smoothing):
+def smoothed_targets(t, V, eps, pad_id, smoothing):
     """The explicit smoothed distribution q (..., V); all-zero rows at padding targets."""
     other = eps / (V - 1) if smoothing == "others" else eps / V
     target = 1 - eps if smoothing == "others" else 1 - eps + eps / V
     q = np.full(t.shape + (V,), other)
     for idx in np.ndindex(*t.shape):
         q[idx + (t[idx],)] = target
-        if pad_idx is not None and t[idx] == pad_idx:
+        if pad_id is not None and t[idx] == pad_id:
             q[idx] = 0.0
     return q
 
 
-TARGETS = np.array([[3, 1, 0, 0], [2, 2, 5, 0]])  # pad_idx 0 ends each row
+TARGETS = np.array([[3, 1, 0, 0], [2, 2, 5, 0]])  # pad_id 0 ends each row
 
 
 @pytest.mark.parametrize("eps,smoothing", [(0.0, "others"), (0.1, "others"), (0.1, "uniform"),
@@ -251,7 +251,7 @@ def test_cross_entropy_equals_log_softmax_composition(xp, arrays, assert_close, 
     t = arrays.asarray(TARGETS)
     q = arrays.asarray(smoothed_targets(TARGETS, V, eps, 0, smoothing))
     assert_close(q.sum(-1), (TARGETS != 0).astype(float), 1e-15, 1e-15, "q sums to 1")
-    assert_same(lambda z: F.softmax_cross_entropy(z, t, eps, pad_idx=0, smoothing=smoothing)[0],
+    assert_same(lambda z: F.softmax_cross_entropy(z, t, eps, pad_id=0, smoothing=smoothing)[0],
                 lambda z: -(F.log_softmax(z) * Tensor(q)).sum(),
                 [arrays.randn(2, 4, V) * 2], arrays, assert_close, f"cross-entropy {smoothing}")
 
@@ -262,7 +262,7 @@ def test_cross_entropy_closed_form(xp, arrays, assert_close, smoothing):
     eps, V = 0.1, 6
     z = np.random.default_rng(1).standard_normal((2, 4, V)) * 3
     zt = Tensor(arrays.asarray(z), requires_grad=True)
-    loss, n = F.softmax_cross_entropy(zt, arrays.asarray(TARGETS), eps, pad_idx=0,
+    loss, n = F.softmax_cross_entropy(zt, arrays.asarray(TARGETS), eps, pad_id=0,
                                       smoothing=smoothing)
     valid = TARGETS != 0
     assert n == int(valid.sum()) == 5 and isinstance(n, int)
@@ -285,7 +285,7 @@ def test_cross_entropy_uniform_logits_is_log_v(xp, arrays, assert_close):
     """With equal logits every log p_v = -log V, so any q (summing to 1) gives log V."""
     for smoothing in ("others", "uniform"):
         loss, n = F.softmax_cross_entropy(Tensor(arrays.asarray(np.zeros((2, 4, 6)))),
-                                          arrays.asarray(TARGETS), 0.1, pad_idx=0,
+                                          arrays.asarray(TARGETS), 0.1, pad_id=0,
                                           smoothing=smoothing)
         assert_close(loss, np.array(5 * math.log(6)), 1e-14, 0, f"uniform logits ({smoothing})")
 
@@ -298,7 +298,7 @@ def test_cross_entropy_large_logits_and_all_padding(xp, arrays, assert_close):
     loss.backward()
     assert_close(z.grad, np.array([[0, 0, 0], [0, 1, -1.0]]), 0, 1e-15, "CE dz at 1e4 logits")
     z = Tensor(arrays.randn(2, 3), requires_grad=True)
-    loss, n = F.softmax_cross_entropy(z, arrays.asarray(np.array([0, 0])), 0.1, pad_idx=0)
+    loss, n = F.softmax_cross_entropy(z, arrays.asarray(np.array([0, 0])), 0.1, pad_id=0)
     assert n == 0 and loss.item() == 0.0
     loss.backward()
     assert (arrays.numpy(z.grad) == 0).all()
@@ -307,7 +307,7 @@ def test_cross_entropy_large_logits_and_all_padding(xp, arrays, assert_close):
 def test_cross_entropy_rejects_bad_arguments(xp, arrays):
     z = Tensor(arrays.randn(2, 3, 5))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        F.softmax_cross_entropy(z, arrays.asarray(np.array([[1, 5, 0], [0, 0, 0]])), pad_idx=0)
+        F.softmax_cross_entropy(z, arrays.asarray(np.array([[1, 5, 0], [0, 0, 0]])), pad_id=0)
     with pytest.raises(ValueError, match="does not match"):
         F.softmax_cross_entropy(z, arrays.asarray(np.array([1, 2])))
     with pytest.raises(ValueError, match="smoothing"):
@@ -358,12 +358,12 @@ def test_linear_cross_entropy_equals_projection_then_loss(xp, arrays, assert_clo
 
     def composed(h, w):
         logits = F.linear(h, F.transpose(w) if layout == "vd" else w)
-        return F.softmax_cross_entropy(logits, t, 0.1, pad_idx=0)[0]
-    assert_same(lambda h, w: F.linear_cross_entropy(h, w, t, 0.1, pad_idx=0, layout=layout)[0],
+        return F.softmax_cross_entropy(logits, t, 0.1, pad_id=0)[0]
+    assert_same(lambda h, w: F.linear_cross_entropy(h, w, t, 0.1, pad_id=0, layout=layout)[0],
                 composed, [arrays.randn(2, 4, D), arrays.randn(*w_shape)], arrays,
                 assert_close, f"linear cross-entropy {layout}")
     h, w = Tensor(arrays.randn(2, 4, D)), Tensor(arrays.randn(*w_shape))
     with mt.no_grad():  # the loss alone (no gradient work) is the same number
-        a, n = F.linear_cross_entropy(h, w, t, 0.1, pad_idx=0, layout=layout)
+        a, n = F.linear_cross_entropy(h, w, t, 0.1, pad_id=0, layout=layout)
     assert n == int((TARGETS != 0).sum())
     assert_close(a, composed(h, w), RTOL, ATOL, "no_grad value")

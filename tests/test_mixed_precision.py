@@ -84,7 +84,7 @@ def test_linear_cross_entropy_float16_loss_in_float32_and_scale_beyond_float16()
     res = {}
     for dt in (np.float32, np.float16):
         ht, wt = Tensor(h.astype(dt), requires_grad=True), Tensor(w.astype(dt), requires_grad=True)
-        loss, n = F.linear_cross_entropy(ht, wt, t, 0.1, pad_idx=0)
+        loss, n = F.linear_cross_entropy(ht, wt, t, 0.1, pad_id=0)
         # a loss scale above float16's largest value (65504): the scaling runs in float32,
         # and the scaled gradients (below 65504 here) come out finite
         loss.backward(np.float32(2.0 ** 16))

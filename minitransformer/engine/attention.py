@@ -20,6 +20,7 @@ import math
 
 from .. import backend
 from . import cuda_kernels
+from .ops import note_dropout
 from .tensor import Function
 
 
@@ -52,7 +53,7 @@ def attention_probabilities(q, k, key_mask=None, causal=False):
     bias = attention_bias(xp, acc, key_mask, causal, T, S)
     if cuda_kernels.use_for(xp):  # one CUDA block per row
         return cuda_kernels.masked_softmax_(s, bias)
-    s = s.astype(acc, copy=False)
+    s = backend.cast(s, acc)
     if bias is not None:
         s += bias
     m = s.max(axis=-1, keepdims=True)
@@ -64,7 +65,7 @@ def attention_probabilities(q, k, key_mask=None, causal=False):
     if bias is not None:
         z += z == 0  # a fully masked row sums to 0: divide by 1, no NaN
     s /= z
-    return s.astype(q.dtype, copy=False)
+    return backend.cast(s, q.dtype)
 
 
 class ScaledDotProductAttention(Function):
@@ -80,6 +81,7 @@ class ScaledDotProductAttention(Function):
         self.p, self.q, self.k, self.v = s, q, k, v
         self.mask = None
         if self.training and self.dropout > 0:
+            note_dropout(self.dropout)
             keep = self.rng.random(s.shape, s.dtype) >= self.dropout
             self.mask = keep * s.dtype.type(1.0 / (1.0 - self.dropout))
             return (s * self.mask) @ v
@@ -93,11 +95,11 @@ class ScaledDotProductAttention(Function):
         if mask is not None:
             dp *= mask
         acc = backend.accumulation_dtype(dp.dtype)
-        dp, pa = dp.astype(acc, copy=False), p.astype(acc, copy=False)
+        dp, pa = backend.cast(dp, acc), backend.cast(p, acc)
         dp -= (dp * pa).sum(axis=-1, keepdims=True)
         dp *= pa
         dp *= self.scale  # dp is now ds
-        dp = dp.astype(q.dtype, copy=False)
+        dp = backend.cast(dp, q.dtype)
         return dp @ k, dp.swapaxes(-1, -2) @ q, dv
 
 

@@ -1,8 +1,9 @@
 """Softmax cross-entropy with label smoothing (§5.4), fused: one node on the tape.
 
-For logits z (N, V) and targets t (N,), the smoothed target distribution q is
-    q_t = 1 - eps,  q_v = eps / (V - 1) for v != t      (default, "others")
-    q_t = 1 - eps + eps / V,  q_v = eps / V             (switch: smoothing="uniform")
+For logits z (N, V), targets t (N,) and the label smoothing ls, the smoothed target
+distribution q is
+    q_t = 1 - ls,  q_v = ls / (V - 1) for v != t        (default, "others")
+    q_t = 1 - ls + ls / V,  q_v = ls / V                (switch: smoothing="uniform")
 and the loss of one token is the cross-entropy H(q, softmax(z)):
     loss = -sum_v q_v log p_v = logsumexp(z) - sum_v q_v z_v     (since sum_v q_v = 1)
          = lse - c_o * sum_v z_v - (c_t - c_o) * z_t
@@ -17,16 +18,17 @@ from .ids import check_ids
 from .tensor import Function, Tensor
 
 
-def smoothing_weights(eps, V, smoothing="others"):
+def smoothing_weights(label_smoothing, V, smoothing="others"):
     """(c_t, c_o): the smoothed target's probability on the target class and on each other."""
+    ls = label_smoothing
     if smoothing == "others":
-        return 1.0 - eps, eps / (V - 1)
+        return 1.0 - ls, ls / (V - 1)
     if smoothing == "uniform":
-        return 1.0 - eps + eps / V, eps / V
+        return 1.0 - ls + ls / V, ls / V
     raise ValueError(f"smoothing must be 'others' or 'uniform', got {smoothing!r}")
 
 
-def checked_targets(targets, shape, V, pad_idx, xp, what):
+def checked_targets(targets, shape, V, pad_id, xp, what):
     """Target ids checked and counted where they are, then placed with the model's arrays:
     -> (ids on ``xp``, number of non-padding targets).
 
@@ -37,26 +39,26 @@ def checked_targets(targets, shape, V, pad_idx, xp, what):
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"targets shape {t.shape} does not match {what} {tuple(shape)}")
     tp = backend.get_array_module(t)
-    valid = t != pad_idx if pad_idx is not None else tp.ones(t.shape, bool)
+    valid = t != pad_id if pad_id is not None else tp.ones(t.shape, bool)
     check_ids(tp.where(valid, t, 0), V, "target id")  # padding may hold any id
     return xp.asarray(t), int(valid.sum())
 
 
 class SoftmaxCrossEntropy(Function):
     """The summed smoothed loss (the module docstring): logits z (..., V), targets t (...)
-    -> a scalar. Options: ``eps`` the label smoothing, ``pad_idx`` the padding target (no
+    -> a scalar. Options: ``label_smoothing``, ``pad_id`` the padding target (no
     loss), ``smoothing`` "others" or "uniform", ``shape_in`` z's shape (for dz). Saves z,
     lse and t; backward returns dz = (softmax(z) - q) * [t != pad] * dloss, and None for t."""
 
-    options = {"eps": 0.0, "pad_idx": None, "smoothing": "others", "shape_in": None}
+    options = {"label_smoothing": 0.0, "pad_id": None, "smoothing": "others", "shape_in": None}
 
     def forward(self, z, t):
         xp = backend.get_array_module(z)
         V = z.shape[-1]
         z = z.reshape(-1, V)
         t = t.reshape(-1)
-        valid = t != self.pad_idx if self.pad_idx is not None else xp.ones(t.shape, bool)
-        c_t, c_o = smoothing_weights(self.eps, V, self.smoothing)
+        valid = t != self.pad_id if self.pad_id is not None else xp.ones(t.shape, bool)
+        c_t, c_o = smoothing_weights(self.label_smoothing, V, self.smoothing)
         m = z.max(axis=1)
         e = xp.exp(z - m[:, None])  # the one (N, V) temporary of the forward pass
         lse = m + xp.log(e.sum(axis=1))
@@ -78,16 +80,16 @@ class SoftmaxCrossEntropy(Function):
         return dz.reshape(self.shape_in), None
 
 
-def softmax_cross_entropy(logits, targets, label_smoothing=0.0, pad_idx=None,
+def softmax_cross_entropy(logits, targets, label_smoothing=0.0, pad_id=None,
                           smoothing="others"):
     """Label-smoothed cross-entropy summed over non-padding tokens.
 
     logits: Tensor (..., V); targets: integer array (...); returns (loss_sum, n_tokens)
     where loss_sum is a scalar Tensor and n_tokens the number of non-padding targets (int).
     """
-    t, n = checked_targets(targets, logits.shape[:-1], logits.shape[-1], pad_idx, logits.xp,
+    t, n = checked_targets(targets, logits.shape[:-1], logits.shape[-1], pad_id, logits.xp,
                            "logits")
-    loss = SoftmaxCrossEntropy.apply(logits, Tensor(t), eps=float(label_smoothing),
-                                     pad_idx=pad_idx, smoothing=smoothing,
+    loss = SoftmaxCrossEntropy.apply(logits, Tensor(t), label_smoothing=float(label_smoothing),
+                                     pad_id=pad_id, smoothing=smoothing,
                                      shape_in=logits.shape)
     return loss, n

@@ -22,11 +22,11 @@ Nothing here imports CuPy: it comes from ``backend._cupy``, and kernels are comp
 use and cached in ``_kernels``, so this module imports (and ``available()`` says False)
 where CuPy or a GPU is missing.
 """
-import os
 
 import numpy as np
 
 from .. import backend
+from ..settings import SETTINGS
 
 MAX_THREADS = 512  # threads per block of a row kernel (a multiple of 32)
 
@@ -250,11 +250,11 @@ def row_kernel_names():
 
 # ---- elementwise kernels: (in_params, out_params, operation, name) for cupy.ElementwiseKernel --
 ELEMENTWISE_SPECS = {
-    # mask = [u >= p] / (1 - p),  y = x + f * mask   (ops.py Dropout on f, then x + dropout(f))
+    # mask = [u >= rate] / (1 - rate),  y = x + f * mask   (ops.py Dropout on f, then x + f)
     "dropout_residual": (
-        "T x, T f, T u, T p, T scale",
+        "T x, T f, T u, T rate, T scale",
         "T y, T mask",
-        "mask = u >= p ? scale : T(0);\n"
+        "mask = u >= rate ? scale : T(0);\n"
         "y = x + f * mask;",
         "minitransformer_dropout_residual"),
     # g' = g + wd p;  m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2;
@@ -283,7 +283,7 @@ def use_for(xp):
     """Whether the ops take the fused path for arrays of module ``xp``: on CuPy arrays,
     unless MINITRANSFORMER_FUSED=0 (then the ops run the same NumPy-style code on CuPy, the
     reference the kernels are tested against)."""
-    return xp is not np and os.environ.get("MINITRANSFORMER_FUSED", "1") != "0"
+    return xp is not np and SETTINGS.fused
 
 
 _gpu_seen = False  # set once CuPy has seen a GPU: launches do not ask the driver again
@@ -376,10 +376,10 @@ def layer_norm_backward(dy, x_hat, rstd, gamma):
     if rows:
         _row_kernel("layer_norm_backward", dy.dtype)(
             (rows,), (_threads(D),), (dy, x_hat, rstd, gamma, dx, np.int32(D)))
-    dy2 = dy.reshape(-1, D).astype(acc, copy=False)
-    xh2 = x_hat.reshape(-1, D).astype(acc, copy=False)
-    return dx, (dy2 * xh2).sum(axis=0).astype(param_dtype, copy=False), \
-        dy2.sum(axis=0).astype(param_dtype, copy=False)
+    dy2 = backend.cast(dy.reshape(-1, D), acc)
+    xh2 = backend.cast(x_hat.reshape(-1, D), acc)
+    return dx, backend.cast((dy2 * xh2).sum(axis=0), param_dtype), \
+        backend.cast(dy2.sum(axis=0), param_dtype)
 
 
 # ---- masked softmax ----------------------------------------------------------------------------
@@ -417,16 +417,16 @@ def masked_softmax_(s, bias=None):
 
 
 # ---- dropout + residual ------------------------------------------------------------------------
-def dropout_residual(x, f, p, u):
-    """y = x + dropout(f): mask = [u >= p] / (1 - p) in x's dtype, y = x + f * mask.
+def dropout_residual(x, f, rate, u):
+    """y = x + dropout(f): mask = [u >= rate] / (1 - rate) in x's dtype, y = x + f * mask.
 
     u: uniform [0, 1) of f's shape, drawn by the caller's generator (as ops.py Dropout draws
     it), so masks stay reproducible. Returns (y, mask); dropout's backward is dy * mask.
-    One ElementwiseKernel, one thread per element, both outputs in one pass. p < 1.
+    One ElementwiseKernel, one thread per element, both outputs in one pass. rate < 1.
     """
     dt = np.dtype(x.dtype).type
     kernel = _elementwise("dropout_residual", x.dtype)
-    return kernel(x, f, u, dt(p), dt(1.0 / (1.0 - p)))
+    return kernel(x, f, u, dt(rate), dt(1.0 / (1.0 - rate)))
 
 
 # ---- cross-entropy chunk -----------------------------------------------------------------------

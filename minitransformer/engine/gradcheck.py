@@ -9,18 +9,38 @@ matters, and for every float input and parameter compares the analytic gradient 
     (L(x + h u) - L(x - h u)) / (2 h)
 along random unit directions u, and along every coordinate (the full Jacobian-vector row)
 when x has at most ``full_max`` elements. Integer inputs (token ids) are passed through and
-skipped. Everything runs in float64 by default (inputs and parameters are cast for the check
-and restored after), with h and tolerances taken from the dtype. A Module passed as ``fn`` has
-its parameters checked too and is put in eval mode (dropout off) unless ``train=True``; a
-dropout kept on is made repeatable by re-seeding the generators before every evaluation.
+skipped. Everything runs in float64 by default, with h and tolerances taken from the dtype.
+
+Modules. When ``fn`` is a Module, or a bound method of one (``model.loss``), gradcheck checks
+a float64 copy of it (``copy.deepcopy``), not the module itself: every float array the module
+tree holds (parameters and buffers such as a sinusoid table, also inside lists, tuples and
+dicts), every float dtype attribute (a model's ``dtype`` / ``compute_dtype``, which drive its
+casts) and float scalar is cast, so a float32 or float16 (mixed-precision) model really runs
+in float64. The copy's parameters are checked under the original names (``params`` given as
+the module's tensors are mapped to the copy's), it is put in eval mode (dropout off) unless
+``train=True``, and a dropout kept on is made repeatable by re-seeding its generators before
+every evaluation. The caller's module is left untouched: same arrays, dtypes, training flag,
+gradients and generator states. A module that cannot be deep-copied is checked in place if it
+is already entirely in the check dtype, and refused with a TypeError saying what to do
+otherwise. Tensors that are not the module's (and every ``params`` entry when ``fn`` is a
+plain function) are cast in place for the check and restored after.
+
+A failure report says when dropout drew masks during the evaluations (the engine counts the
+draws: ops.dropout_draws), which makes finite differences meaningless unless every evaluation
+draws the same masks: typically a lambda closing over a model left in training mode, which
+gradcheck cannot see or re-seed. It also says when fn's output has a lower precision than the
+check (a closure over a float32 model keeps computing in float32).
 """
 from __future__ import annotations
 
+import copy
+import types
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from .. import backend
+from .ops import dropout_draws
 from .tensor import Tensor, no_grad
 
 # dtype -> (finite-difference step h, rtol, atol)
@@ -42,6 +62,85 @@ def _is_module(fn):
     return all(hasattr(fn, a) for a in ("named_parameters", "train", "modules", "training"))
 
 
+def _module_of(fn):
+    """The Module that ``fn`` is, or whose bound method it is (``model.loss``); else None."""
+    if _is_module(fn) and not isinstance(fn, type):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if owner is not None and not isinstance(owner, type) and _is_module(owner) \
+        else None
+
+
+def _copy_in_dtype(module, dtype):
+    """(copy of ``module`` with every float array, dtype and scalar cast to ``dtype``, memo
+    mapping id(original object) -> its copy), or (module, {}) when a module that cannot be
+    copied is already entirely in ``dtype``."""
+    memo = {}  # pre-filled: what the copy shares with the original, or gets made afresh
+    for m in module.modules():
+        for v in vars(m).values():
+            if isinstance(v, types.ModuleType):  # an ``xp`` (numpy): shared, not copied
+                memo[id(v)] = v
+            elif isinstance(v, backend.Generator) and id(v) not in memo:
+                twin = backend.Generator(0, v.device)  # a twin in the same state (a CuPy
+                twin.set_state(v.get_state())           # generator's handle is not shared)
+                memo[id(v)] = twin
+    try:
+        twin = copy.deepcopy(module, memo)
+    except Exception as e:  # a foreign object somewhere in the module tree
+        if all(p.dtype == dtype for _, p in module.named_parameters() if _float(p.data)):
+            return module, {}
+        name = type(module).__name__
+        raise TypeError(
+            f"gradcheck checks a Module on a {dtype} copy, but copy.deepcopy({name}) failed "
+            f"({type(e).__name__}: {e}). Make {name} deep-copyable (give the object that "
+            f"copy.deepcopy refuses a __deepcopy__), or build the module in {dtype} (parameters, "
+            f"buffers and dtype settings, e.g. Transformer(cfg, dtype=np.{dtype})), or pass "
+            f"gradcheck dtype=<the module's dtype> to check it as it is") from e
+    seen = set()
+    for m in twin.modules():
+        for k, v in list(vars(m).items()):
+            setattr(m, k, _cast_tree(v, dtype, seen))
+    return twin, memo
+
+
+def _on_copy(p, memo):
+    """A ``params`` entry (a Tensor or a (name, Tensor) pair) naming the copy's Tensor when
+    the original is the module's; other Tensors are checked in place."""
+    if isinstance(p, Tensor):
+        return memo.get(id(p), p)
+    name, t = p
+    return name, memo.get(id(t), t)
+
+
+def _cast_tree(v, dtype, seen):
+    """v with its float arrays, dtypes and scalars cast to ``dtype``: Tensors and containers
+    in place (so sharing survives), other values replaced. Modules are left to modules()."""
+    if id(v) in seen:
+        return v
+    if isinstance(v, Tensor):
+        seen.add(id(v))
+        if _float(v.data):
+            v.data, v.grad = v.data.astype(dtype), None
+        return v
+    if isinstance(v, np.dtype):
+        return dtype if v.kind == "f" else v
+    if isinstance(v, type):
+        return dtype.type if issubclass(v, np.floating) else v
+    if isinstance(v, np.floating):
+        return dtype.type(v)
+    if isinstance(v, (list, dict)):
+        seen.add(id(v))
+        for k in (range(len(v)) if isinstance(v, list) else list(v)):
+            v[k] = _cast_tree(v[k], dtype, seen)
+        return v
+    if type(v) is tuple:
+        return tuple(_cast_tree(x, dtype, seen) for x in v)
+    if hasattr(v, "astype") and isinstance(getattr(v, "dtype", None), np.dtype) \
+            and hasattr(v, "shape") and not _is_module(v):  # a NumPy or CuPy array
+        return v.astype(dtype) if _float(v) else v
+    return v
+
+
 def gradcheck(fn: Callable[..., Tensor], inputs: Sequence[Any], params: Sequence[Any] = (),
               dtype: Any = np.float64, n_directions: int = 8, full_max: int = 64,
               eps: Optional[float] = None, rtol: Optional[float] = None,
@@ -51,15 +150,22 @@ def gradcheck(fn: Callable[..., Tensor], inputs: Sequence[Any], params: Sequence
 
     Returns a dict ``{name: {"max_abs": .., "max_rel": .., "where": .., "ok": bool}}``
     (names ``input[i]`` and the parameters' names). Raises GradcheckError listing, per input
-    and parameter, the max absolute and relative error and where, unless
-    ``raise_on_failure=False``.
+    and parameter, the max absolute and relative error and where (and a note when dropout was
+    active or fn's output has a lower precision than ``dtype``), unless
+    ``raise_on_failure=False``. A Module, or a bound method of one, as ``fn`` is checked on a
+    copy in ``dtype`` with its parameters, in eval mode unless ``train=True`` (see the module
+    docstring); the caller's module is not changed.
     """
     dtype = np.dtype(dtype)
     h0, rtol0, atol0 = TOLERANCES.get(dtype, TOLERANCES[np.dtype(np.float32)])
     h, rtol, atol = eps or h0, rtol or rtol0, atol or atol0
-    module = fn if _is_module(fn) else None
-    if module is not None:
-        params = list(module.named_parameters()) if not params else params
+    module = _module_of(fn)
+    if module is not None:  # check a copy in the check dtype (the module docstring)
+        original = module
+        module, memo = _copy_in_dtype(module, dtype)
+        if module is not original:  # fn runs on the copy: the module, or its bound method
+            fn = module if fn is original else types.MethodType(fn.__func__, module)
+        params = [_on_copy(p, memo) for p in params] or list(module.named_parameters())
         was_training = module.training
         module.train(train)
     named = [(f"param[{i}]", p) if isinstance(p, Tensor) else p for i, p in enumerate(params)]
@@ -82,6 +188,7 @@ def gradcheck(fn: Callable[..., Tensor], inputs: Sequence[Any], params: Sequence
         out = fn(*tensors)
         return out[0] if isinstance(out, tuple) else out
 
+    draws_before = dropout_draws()
     try:
         out = evaluate()
         xp = out.xp
@@ -98,6 +205,7 @@ def gradcheck(fn: Callable[..., Tensor], inputs: Sequence[Any], params: Sequence
         report = {}
         for name, t in checked:
             report[name] = _check_one(t, loss, xp, rs, h, rtol, atol, n_directions, full_max)
+        draws = dropout_draws()
     finally:
         for p, data, rg in saved:
             p.data, p.requires_grad = data, rg
@@ -111,8 +219,31 @@ def gradcheck(fn: Callable[..., Tensor], inputs: Sequence[Any], params: Sequence
         for k, r in report.items():
             lines.append(f"  {'FAIL' if not r['ok'] else 'ok  '} {k:<28} max abs {r['max_abs']:.3e}"
                          f"  max rel {r['max_rel']:.3e}  at {r['where']}")
+        lines += _hints(out.dtype, dtype, draws_before, draws, module is not None and train)
         raise GradcheckError("\n".join(lines))
     return report
+
+
+def _hints(out_dtype, dtype, draws_before, draws, module_train):
+    """Likely causes of a failure that are not a wrong backward: dropout drawing masks during
+    the evaluations, and an output computed in a lower precision than the check."""
+    hints = []
+    rates = sorted(r for r, n in draws.items() if n > draws_before.get(r, 0))
+    if rates:
+        fix = ("pass train=False (the default) to check it in eval mode" if module_train else
+               "call module.eval() on the model fn uses (or set its dropout rates to 0), or "
+               "pass the module itself or its bound method (e.g. model.loss) as fn, which "
+               "gradcheck puts in eval mode")
+        hints.append(f"  note: dropout was active during the check (rate "
+                     f"{', '.join(f'{r:g}' for r in rates)}): finite differences need every "
+                     f"evaluation to draw the same masks; {fix}.")
+    if out_dtype.kind == "f" and out_dtype.itemsize < dtype.itemsize:
+        hints.append(f"  note: fn's output is {out_dtype}, not {dtype}: fn computes in a lower "
+                     f"precision (e.g. a lambda over a {out_dtype} model, whose buffers and "
+                     f"compute dtype gradcheck cannot cast); pass the module itself or its "
+                     f"bound method (e.g. model.loss) as fn so that a {dtype} copy is checked, "
+                     f"or build the model in {dtype}.")
+    return hints
 
 
 def _check_one(t, loss, xp, rs, h, rtol, atol, n_directions, full_max):

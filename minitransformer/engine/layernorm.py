@@ -31,30 +31,30 @@ class LayerNorm(Function):
             y, self.x_hat, self.rstd = cuda_kernels.layer_norm_forward(x, gamma, beta, self.eps)
             return y
         self.in_dtype, acc = x.dtype, backend.accumulation_dtype(x.dtype)
-        x = x.astype(acc, copy=False)
+        x = backend.cast(x, acc)
         mean = x.mean(axis=-1, keepdims=True)
         xc = x - mean
         var = (xc * xc).mean(axis=-1, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + acc.type(self.eps))
         xc *= rstd  # xc is now x_hat
         self.x_hat, self.rstd = xc, rstd
-        y = xc * gamma.astype(acc, copy=False) + beta.astype(acc, copy=False)
-        return y.astype(self.in_dtype, copy=False)
+        y = xc * backend.cast(gamma, acc) + backend.cast(beta, acc)
+        return backend.cast(y, self.in_dtype)
 
     def backward(self, dy):
         x_hat, rstd, gamma = self.x_hat, self.rstd, self.gamma
         if cuda_kernels.use_for(backend.get_array_module(dy)):
             return cuda_kernels.layer_norm_backward(dy, x_hat, rstd, gamma)
         D = x_hat.shape[-1]
-        dy = dy.astype(x_hat.dtype, copy=False)
+        dy = backend.cast(dy, x_hat.dtype)
         dy2, xh2 = dy.reshape(-1, D), x_hat.reshape(-1, D)
-        dgamma = (dy2 * xh2).sum(axis=0).astype(gamma.dtype, copy=False)
-        dbeta = dy2.sum(axis=0).astype(gamma.dtype, copy=False)
-        dxh = dy * gamma.astype(x_hat.dtype, copy=False)
+        dgamma = backend.cast((dy2 * xh2).sum(axis=0), gamma.dtype)
+        dbeta = backend.cast(dy2.sum(axis=0), gamma.dtype)
+        dxh = dy * backend.cast(gamma, x_hat.dtype)
         dx = dxh - dxh.mean(axis=-1, keepdims=True)
         dx -= x_hat * (dxh * x_hat).mean(axis=-1, keepdims=True)
         dx *= rstd
-        return dx.astype(self.in_dtype, copy=False), dgamma, dbeta
+        return backend.cast(dx, self.in_dtype), dgamma, dbeta
 
 
 def layer_norm(x, gamma, beta, eps=1e-5):

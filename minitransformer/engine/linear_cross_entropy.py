@@ -41,7 +41,7 @@ def smoothed_ce_chunk(z, t, valid, c_t, c_o, want_grad, z_sum):
     cuda_kernels.smoothed_ce_chunk, which computes the same in one CUDA block per row."""
     xp = backend.get_array_module(z)
     acc = backend.accumulation_dtype(z.dtype)
-    z = z.astype(acc, copy=False)
+    z = backend.cast(z, acc)
     r = xp.arange(z.shape[0])
     z_t = z[r, t]
     m = z.max(axis=1, keepdims=True)
@@ -64,11 +64,11 @@ def _fused_chunk(z, t, valid, c_t, c_o, want_grad, z_sum):
 class LinearCrossEntropy(Function):
     """The summed smoothed loss of the logits h W^T (the module docstring): h (..., D),
     w (V, D) (``layout`` "vd") or (D, V) ("dv"), targets t (...) -> a scalar. Options:
-    ``eps`` the label smoothing, ``pad_idx``, ``smoothing`` ("others" / "uniform"),
+    ``label_smoothing``, ``pad_id``, ``smoothing`` ("others" / "uniform"),
     ``layout``, ``compute_grad`` (False under no_grad: the loss only). Saves dh and dw,
     computed during the forward chunk by chunk; backward scales them by dloss."""
 
-    options = {"eps": 0.0, "pad_idx": None, "smoothing": "others", "layout": "vd",
+    options = {"label_smoothing": 0.0, "pad_id": None, "smoothing": "others", "layout": "vd",
                "compute_grad": True}
 
     def forward(self, h, w, t):
@@ -77,9 +77,9 @@ class LinearCrossEntropy(Function):
         h2, t = h.reshape(-1, D), t.reshape(-1)
         dv = self.layout == "dv"
         V = w.shape[1] if dv else w.shape[0]
-        c_t, c_o = smoothing_weights(self.eps, V, self.smoothing)
+        c_t, c_o = smoothing_weights(self.label_smoothing, V, self.smoothing)
         acc = backend.accumulation_dtype(h.dtype)  # h's dtype, or float32 for float16
-        valid = (t != self.pad_idx) if self.pad_idx is not None else xp.ones(t.shape, bool)
+        valid = (t != self.pad_id) if self.pad_id is not None else xp.ones(t.shape, bool)
         tc = xp.where(valid, t, 0)
         if self.compute_grad:
             self.dh = xp.empty_like(h2)
@@ -94,7 +94,7 @@ class LinearCrossEntropy(Function):
         for a in range(0, h2.shape[0], rows):
             hc, tcc, vc = h2[a:a + rows], tc[a:a + rows], valid[a:a + rows]
             z = hc @ w if dv else hc @ w.T  # (n, V)
-            hc = hc.astype(acc, copy=False)
+            hc = backend.cast(hc, acc)
             row_loss, s, e = chunk_loss(z, tcc, vc, c_t, c_o, self.compute_grad, hc @ w_sum)
             total += row_loss.sum()
             if self.compute_grad:
@@ -115,28 +115,28 @@ class LinearCrossEntropy(Function):
         term of dW, c_o * (sum of valid h_n) for every row v, is subtracted at the end)."""
         acc, dtype = hc.dtype, self.dh.dtype
         scale = (vc / s).astype(acc)[:, None]  # (n, 1); 0 on padding rows
-        e = e.astype(dtype, copy=False)  # the products in h's dtype
+        e = backend.cast(e, dtype)  # the products in h's dtype
         self.dh[a:a + len(hc)] = (e @ (w.T if dv else w)) * scale \
             - acc.type(c_o) * vc[:, None] * w_sum
-        hs = (hc * scale).astype(dtype, copy=False)
+        hs = backend.cast(hc * scale, dtype)
         self.dw += (hs.T @ e) if dv else (e.T @ hs)
 
     def backward(self, dloss):
         # the scaling in the wider dtype: a float16 run's loss scale need not fit float16
         # itself (65504 at most); the scaled gradients then overflow only if they really do
         g = dloss.astype(self.dw.dtype)
-        dh = (self.dh * g).astype(self.dh.dtype, copy=False).reshape(self.h_shape)
-        return dh, (self.dw * g).astype(self.w_dtype, copy=False), None
+        dh = backend.cast(self.dh * g, self.dh.dtype).reshape(self.h_shape)
+        return dh, backend.cast(self.dw * g, self.w_dtype), None
 
 
-def linear_cross_entropy(h, weight, targets, label_smoothing=0.0, pad_idx=None,
+def linear_cross_entropy(h, weight, targets, label_smoothing=0.0, pad_id=None,
                          smoothing="others", layout="vd"):
     """Summed label-smoothed cross-entropy of the logits h W^T (layout 'vd', W (V, D)) or
     h W (layout 'dv', W (D, V)), without materialising them. -> (loss_sum, n_tokens)."""
     V = weight.shape[1] if layout == "dv" else weight.shape[0]
-    t, n = checked_targets(targets, h.shape[:-1], V, pad_idx, h.xp, "decoder states")
+    t, n = checked_targets(targets, h.shape[:-1], V, pad_id, h.xp, "decoder states")
     compute_grad = is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    loss = LinearCrossEntropy.apply(h, weight, Tensor(t), eps=float(label_smoothing),
-                                    pad_idx=pad_idx, smoothing=smoothing, layout=layout,
-                                    compute_grad=compute_grad)
+    loss = LinearCrossEntropy.apply(h, weight, Tensor(t),
+                                    label_smoothing=float(label_smoothing), pad_id=pad_id,
+                                    smoothing=smoothing, layout=layout, compute_grad=compute_grad)
     return loss, n

@@ -85,19 +85,21 @@ class Neg(Function):
 
 
 class Power(Function):
-    """y = x^p for a constant p;  dx = dy * p * x^(p-1).
+    """y = x^a for a constant exponent a;  dx = dy * a * x^(a-1).
 
-    p is kept as a Python number, which never promotes x's dtype (a NumPy float64 would).
+    The exponent is kept as a Python number, which never promotes x's dtype (a NumPy float64
+    would).
     """
-    options = {"p": None}
+    options = {"exponent": None}
 
     def forward(self, x):
         self.x = x
-        self.p = self.p.item() if hasattr(self.p, "item") else self.p
-        return x ** self.p
+        a = self.exponent
+        self.exponent = a.item() if hasattr(a, "item") else a
+        return x ** self.exponent
 
     def backward(self, dy):
-        return dy * (self.p * self.x ** (self.p - 1))
+        return dy * (self.exponent * self.x ** (self.exponent - 1))
 
 
 class Exp(Function):
@@ -296,15 +298,17 @@ class Cast(Function):
 
 # ---- regularisation and lookup ------------------------------------------------------------
 class Dropout(Function):
-    """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from an explicit generator;  dx = dy * m / (1 - p).
+    """y = x * m / (1 - r), m ~ Bernoulli(1 - r) for the rate r, drawn from an explicit
+    generator;  dx = dy * m / (1 - r).
 
     The scaled mask is saved (one array of x's shape and dtype).
     """
-    options = {"p": 0.0, "rng": None}  # p: the dropout rate
+    options = {"rate": 0.0, "rng": None}
 
     def forward(self, x):
-        keep = self.rng.random(x.shape, x.dtype) >= self.p
-        self.mask = keep * x.dtype.type(1.0 / (1.0 - self.p))
+        note_dropout(self.rate)
+        keep = self.rng.random(x.shape, x.dtype) >= self.rate
+        self.mask = keep * x.dtype.type(1.0 / (1.0 - self.rate))
         return x * self.mask
 
     def backward(self, dy):
@@ -317,7 +321,7 @@ class Embedding(Function):
     dW = scatter-add of dy rows into the rows named by ids (repeats summed); the padding
     row receives no gradient, so it stays as initialised. ids get no gradient.
     """
-    options = {"padding_idx": None}
+    options = {"pad_id": None}
 
     def forward(self, ids, weight):
         self.ids, self.vocab = ids, weight.shape
@@ -327,8 +331,8 @@ class Embedding(Function):
         xp = _xp(dy)
         dw = xp.zeros(self.vocab, dtype=dy.dtype)
         backend.scatter_add(dw, self.ids.reshape(-1), dy.reshape(-1, self.vocab[1]))
-        if self.padding_idx is not None:
-            dw[self.padding_idx] = 0
+        if self.pad_id is not None:
+            dw[self.pad_id] = 0
         return None, dw
 
 
@@ -338,7 +342,7 @@ def sub(a, b): return Sub.apply(*_pair(a, b))
 def mul(a, b): return Mul.apply(*_pair(a, b))
 def div(a, b): return Div.apply(*_pair(a, b))
 def neg(x): return Neg.apply(x)
-def power(x, p): return Power.apply(x, p=p)
+def power(x, exponent): return Power.apply(x, exponent=exponent)
 def exp(x): return Exp.apply(x)
 def log(x): return Log.apply(x)
 def relu(x): return ReLU.apply(x)
@@ -361,24 +365,39 @@ def linear(x, weight, bias=None):
     return Linear.apply(x, weight, bias) if bias is not None else Linear.apply(x, weight)
 
 
-def dropout(x, p, rng, training=True):
-    """Inverted dropout with rate ``p``, masks drawn from ``rng`` (a backend.Generator)."""
-    if not dropout_active(p, training):
+def dropout(x, rate, rng, training=True):
+    """Inverted dropout with rate ``rate``, masks drawn from ``rng`` (a backend.Generator)."""
+    if not dropout_active(rate, training):
         return x
-    return Dropout.apply(x, p=p, rng=rng)
+    return Dropout.apply(x, rate=rate, rng=rng)
 
 
-def dropout_active(p, training):
-    """Whether dropout at rate ``p`` changes anything (training and p > 0); a rate outside
+# rate -> how many dropout masks have been drawn at it, counted by every Function that draws
+# one; gradcheck compares two snapshots to tell that dropout was on during its evaluations
+_dropout_draws = {}
+
+
+def note_dropout(rate):
+    """Count one dropout mask drawn at ``rate`` (a dict update, no arithmetic on arrays)."""
+    _dropout_draws[float(rate)] = _dropout_draws.get(float(rate), 0) + 1
+
+
+def dropout_draws():
+    """A snapshot {rate: masks drawn so far} of the counts ``note_dropout`` keeps."""
+    return dict(_dropout_draws)
+
+
+def dropout_active(rate, training):
+    """Whether dropout at ``rate`` changes anything (training and rate > 0); a rate outside
     [0, 1) is an error."""
-    if not training or p == 0.0:
+    if not training or rate == 0.0:
         return False
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {p}")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
     return True
 
 
-def embedding(ids, weight, padding_idx=None):
+def embedding(ids, weight, pad_id=None):
     """Rows of ``weight`` (V, D) for integer ``ids``; padding row gets no gradient."""
     ids = ids.data if isinstance(ids, Tensor) else ids
-    return Embedding.apply(Tensor(ids), weight, padding_idx=padding_idx)
+    return Embedding.apply(Tensor(ids), weight, pad_id=pad_id)

@@ -99,8 +99,8 @@ class SublayerConnection(Module):
     def forward(self, x, f):
         d = self.drop
         if self.pre:
-            return dropout_residual(x, f(self.norm(x)), d.p, d.rng, d.training)
-        return self.norm(dropout_residual(x, f(x), d.p, d.rng, d.training))
+            return dropout_residual(x, f(self.norm(x)), d.rate, d.rng, d.training)
+        return self.norm(dropout_residual(x, f(x), d.rate, d.rng, d.training))
 
 
 class EncoderLayer(Module):

@@ -122,8 +122,8 @@ class LayerNorm(Module):
 class Dropout(Module):
     """Inverted dropout with its own seedable generator (``rng``), active in training mode."""
 
-    def __init__(self, p, rng):
-        self.p, self.rng = p, rng
+    def __init__(self, rate, rng):
+        self.rate, self.rng = rate, rng
 
     def forward(self, x):
-        return ops.dropout(x, self.p, self.rng, self.training)
+        return ops.dropout(x, self.rate, self.rng, self.training)

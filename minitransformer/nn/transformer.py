@@ -45,7 +45,7 @@ class TransformerConfig:
     attention_dropout: float = 0.0  # on attention probabilities (not in the paper)
     relu_dropout: float = 0.0       # inside the feed-forward net (not in the paper)
     label_smoothing: float = 0.1    # epsilon_ls
-    smoothing: str = "others"       # 'others': eps/(V-1) on non-targets; 'uniform': eps/V
+    smoothing: str = "others"       # 'others': ls/(V-1) on non-targets; 'uniform': ls/V
     norm: str = "post"              # 'post' (paper) or 'pre'
     positions: str = "sinusoidal"   # 'sinusoidal' (paper) or 'learned'
     sinusoid_layout: str = "interleaved"  # 'interleaved' sin/cos (paper) or 'concat' [sin, cos]
@@ -155,7 +155,7 @@ class Transformer(Module):
         if offset + L > self.cfg.max_positions:
             raise ValueError(f"sequence of length {offset + L} exceeds max_positions "
                              f"({self.cfg.max_positions}); raise --max-positions or shorten input")
-        x = ops.embedding(ids, self._table(side), padding_idx=self.cfg.pad_id)
+        x = ops.embedding(ids, self._table(side), pad_id=self.cfg.pad_id)
         x = x * math.sqrt(self.cfg.d_model)
         if self.cfg.positions == "learned":
             pos = ops.embedding(self.xp().arange(offset, offset + L)[None, :], self.positions)
@@ -241,7 +241,7 @@ class Transformer(Module):
         # engine/cross_entropy.checked_targets) and are then copied to the device
         return linear_cross_entropy(h, self._in_compute_dtype(weight),
                                     self._host_or_device(tgt_out),
-                                    cfg.label_smoothing, pad_idx=cfg.pad_id,
+                                    cfg.label_smoothing, pad_id=cfg.pad_id,
                                     smoothing=cfg.smoothing, layout=layout)
 
     def new_cache(self):

@@ -10,11 +10,11 @@ On CuPy arrays the update is one fused kernel per parameter, or one over all of 
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Iterable, Optional
 
 from .. import backend
 from ..engine import cuda_kernels
+from ..settings import SETTINGS
 
 
 def noam_lr(step, d_model, warmup, factor=1.0):
@@ -124,9 +124,9 @@ class Adam:
         self.weight_decay = weight_decay
         self.t = 0
         if flat is None:  # MINITRANSFORMER_FLAT_ADAM=1 / 0 sets the default; else on a GPU
-            env = os.environ.get("MINITRANSFORMER_FLAT_ADAM", "")
-            flat = env == "1" if env in ("0", "1") else \
-                any(cuda_kernels.use_for(p.xp) for p in self.params)
+            flat = SETTINGS.flat_adam
+        if flat is None:
+            flat = any(cuda_kernels.use_for(p.xp) for p in self.params)
         kinds = {(p.dtype, p.device) for p in self.params}
         self.flat = None
         if flat and len(kinds) == 1:
