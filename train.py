@@ -11,8 +11,8 @@ from minitransformer import configure_process
 if __name__ == "__main__":
     configure_process()  # BLAS, malloc and TF32 settings, before NumPy loads
     from minitransformer.mt.distributed import abort_on_error, init_from_env
-    from minitransformer.mt.train import main
+    from minitransformer.mt.train import cli
 
     comm = init_from_env()  # None unless started by mpiexec / srun
     with abort_on_error(comm):  # one failing rank ends the job instead of hanging the others
-        sys.exit(main(comm=comm))
+        sys.exit(cli(comm=comm))

@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 # name -> the submodule that defines it (a submodule itself where the value is None)
 _LAZY = {
     "Tensor": "engine", "Function": "engine", "gradcheck": "engine", "GradcheckError": "engine",
-    "no_grad": "engine", "Generator": "backend", "cupy_available": "backend",
+    "no_grad": "engine", "detect_anomaly": "engine", "AnomalyError": "engine",
+    "Generator": "backend", "cupy_available": "backend",
     "get_array_module": "backend", "to_numpy": "backend",
     "engine": None, "nn": None, "optim": None, "functional": None, "backend": None,
 }

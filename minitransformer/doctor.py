@@ -110,55 +110,67 @@ def _nvidia_smi_gpus():
 
 
 def check_gpu():
-    lines = []
+    """(status, text, fix) lines for CuPy and its CUDA runtime, the GPUs, and NCCL."""
     cupy = backend._cupy
     if cupy is None:
-        smi = _nvidia_smi_gpus()
-        seen = "; no nvidia-smi on PATH" if smi is None else f"; nvidia-smi sees {smi} GPU(s)"
-        lines.append(("missing", f"CuPy: not importable ({backend._cupy_error}){seen}",
-                      "pip install -e .[cuda12]   (or .[cuda13], matching `nvidia-smi`'s CUDA "
-                      "version; needs an NVIDIA GPU and driver)"))
-        lines.append(("missing", "NCCL: needs CuPy", None))
-        return lines
+        return _without_cupy()
+    return [("ok", f"CuPy {cupy.__version__}, {_cuda_runtime(cupy)}", None),
+            _gpus(cupy), _nccl()]
+
+
+def _without_cupy():
+    """The lines when CuPy cannot be imported: how to install it, and NCCL with it."""
+    smi = _nvidia_smi_gpus()
+    seen = "; no nvidia-smi on PATH" if smi is None else f"; nvidia-smi sees {smi} GPU(s)"
+    return [("missing", f"CuPy: not importable ({backend._cupy_error}){seen}",
+             "pip install -e .[cuda12]   (or .[cuda13], matching `nvidia-smi`'s CUDA "
+             "version; needs an NVIDIA GPU and driver)"),
+            ("missing", "NCCL: needs CuPy", None)]
+
+
+def _cuda_runtime(cupy):
+    """'CUDA runtime 12.4' (or why its version is unknown)."""
     try:
         runtime = cupy.cuda.runtime.runtimeGetVersion()
-        cuda = f"CUDA runtime {runtime // 1000}.{runtime % 1000 // 10}"
+        return f"CUDA runtime {runtime // 1000}.{runtime % 1000 // 10}"
     except Exception as exc:
-        cuda = f"CUDA runtime unknown ({exc})"
-    lines.append(("ok", f"CuPy {cupy.__version__}, {cuda}", None))
+        return f"CUDA runtime unknown ({exc})"
+
+
+def _gpus(cupy):
+    """The line for the GPUs CuPy sees: how many, their names and CUDA_VISIBLE_DEVICES."""
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        lines.append(("missing", f"GPUs: none usable ({exc})",
-                      "check the NVIDIA driver with `nvidia-smi`; in a container, start it "
-                      "with the GPUs passed through (e.g. docker run --gpus all)"))
-        n = 0
-    else:
-        names = []
-        for i in range(n):
-            try:
-                names.append(cupy.cuda.runtime.getDeviceProperties(i)["name"].decode())
-            except Exception:
-                names.append("?")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        lines.append(("ok" if n else "missing",
-                      f"GPUs: {n}" + (f" ({', '.join(names)})" if names else "")
-                      + (f", CUDA_VISIBLE_DEVICES={visible}" if visible is not None else ""),
-                      None if n else "check `nvidia-smi` and CUDA_VISIBLE_DEVICES"))
-    from cupy.cuda import nccl  # CuPy's NCCL bindings; `available` is False without libnccl
-    if getattr(nccl, "available", False):
+        return ("missing", f"GPUs: none usable ({exc})",
+                "check the NVIDIA driver with `nvidia-smi`; in a container, start it "
+                "with the GPUs passed through (e.g. docker run --gpus all)")
+    names = []
+    for i in range(n):
         try:
-            v = nccl.get_version()
-            version = f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else str(v)
+            names.append(cupy.cuda.runtime.getDeviceProperties(i)["name"].decode())
         except Exception:
-            version = "version unknown"
-        lines.append(("ok", f"NCCL {version} (multi-GPU all-reduce)", None))
-    else:
-        lines.append(("missing", "NCCL: CuPy cannot load it (needed for mpiexec with --device "
-                                 "cuda)",
-                      "pip install nvidia-nccl-cu12   (or -cu13; CuPy >= 14 finds it), or with "
-                      "CuPy 13: python -m cupyx.tools.install_library --cuda 12.x --library nccl"))
-    return lines
+            names.append("?")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return ("ok" if n else "missing",
+            f"GPUs: {n}" + (f" ({', '.join(names)})" if names else "")
+            + (f", CUDA_VISIBLE_DEVICES={visible}" if visible is not None else ""),
+            None if n else "check `nvidia-smi` and CUDA_VISIBLE_DEVICES")
+
+
+def _nccl():
+    """The line for NCCL, which multi-GPU training needs: its version, or how to get it."""
+    from cupy.cuda import nccl  # CuPy's NCCL bindings; `available` is False without libnccl
+    if not getattr(nccl, "available", False):
+        return ("missing", "NCCL: CuPy cannot load it (needed for mpiexec with --device cuda)",
+                "pip install nvidia-nccl-cu12   (or -cu13; CuPy >= 14 finds it), or with "
+                "CuPy 13: python -m cupyx.tools.install_library --cuda 12.x --library nccl")
+    try:
+        v = nccl.get_version()
+        version = f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else str(v)
+    except Exception:
+        version = "version unknown"
+    return ("ok", f"NCCL {version} (multi-GPU all-reduce)", None)
 
 
 def check_mpi():

@@ -37,6 +37,18 @@ def small_corpus(run_dir, n_train=1500, n_valid=40):
     return str(run_dir)
 
 
+def synthetic_tokenizer(directory, n_valid, seed=7):
+    """A 100-piece sentencepiece model trained in ``directory`` on a small synthetic corpus
+    (300 training pairs) -> (Tokenizer, the corpus as ``synthetic.generate`` returns it)."""
+    from minitransformer.mt.synthetic import generate
+    from minitransformer.mt.tokenizer import Tokenizer, train_sentencepiece
+    corpus = generate(n_train=300, n_valid=n_valid, n_test=1, seed=seed)
+    text = directory / "train.txt"
+    text.write_text("".join(s + "\n" for s in corpus["train"][0] + corpus["train"][1]),
+                    encoding="utf-8")
+    return Tokenizer(train_sentencepiece([str(text)], str(directory / "spm"), 100)), corpus
+
+
 @pytest.fixture(autouse=True)
 def _gpu_path(request):
     """For a test marked ``gpu`` without a real GPU: CuPy is the stand-in during the test."""

@@ -1,6 +1,7 @@
 """train.py and translate.py end to end: exact resume, bad input, signals, translation."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,10 +106,14 @@ def test_subword_regularization_needs_a_unigram_model(tmp_path):
 
 
 @pytest.mark.parametrize("alpha", ["-0.5", "nan"])
-def test_subword_alpha_must_be_a_non_negative_number(tmp_path, alpha):
-    with pytest.raises(SystemExit, match="--subword-alpha must be >= 0"):
+def test_subword_alpha_must_be_a_non_negative_number(tmp_path, alpha, capsys):
+    with pytest.raises(SystemExit) as stop:  # refused as the command line is parsed
         run_train("--run-dir", str(tmp_path / "r"), "--max-updates", "2", "--spm-type",
                   "unigram", "--subword-alpha", alpha)
+    assert stop.value.code == 2
+    assert re.search(r"--subword-alpha: must be a (finite )?number >= 0",
+                     capsys.readouterr().err)
+    assert not os.path.exists(tmp_path / "r")
 
 
 def test_resuming_an_older_run_accepts_the_default_subword_flags(tmp_path):
@@ -291,8 +296,8 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
-    assert "SIGTERM" in out and "--resume" in out
+    assert proc.returncode == 128 + signal.SIGTERM, out  # the shell's convention: a job
+    assert "SIGTERM" in out and "--resume" in out        # scheduler sees it did not finish
     meta = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]
     stopped = meta["update"]
     assert stopped > 0

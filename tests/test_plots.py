@@ -13,9 +13,9 @@ import pytest
 from minitransformer.mt import checkpoint as ckpt
 from minitransformer.mt import plots
 from minitransformer.mt import translate as translate_cli
-from minitransformer.mt.synthetic import generate
-from minitransformer.mt.tokenizer import Tokenizer, train_sentencepiece
 from minitransformer.nn.transformer import Transformer, TransformerConfig
+
+from conftest import synthetic_tokenizer
 
 PNG = b"\x89PNG\r\n\x1a\n"
 N_LAYERS, N_HEADS = 1, 2
@@ -26,11 +26,7 @@ MAX_LEN_A = 3  # an untrained model never stops by itself: keep its outputs (and
 def tiny(tmp_path_factory):
     """An untrained tiny Transformer and a 100-piece tokenizer from synthetic text."""
     d = tmp_path_factory.mktemp("tiny")
-    corpus = generate(n_train=300, n_valid=4, n_test=1, seed=7)
-    text = d / "train.txt"
-    text.write_text("".join(s + "\n" for s in corpus["train"][0] + corpus["train"][1]),
-                    encoding="utf-8")
-    tok = Tokenizer(train_sentencepiece([str(text)], str(d / "spm"), 100))
+    tok, corpus = synthetic_tokenizer(d, n_valid=4)
     cfg = TransformerConfig(vocab_size=tok.vocab_size, d_model=16, n_heads=N_HEADS, d_ff=32,
                             n_layers=N_LAYERS, pad_id=tok.pad_id, bos_id=tok.bos_id,
                             eos_id=tok.eos_id)

@@ -1,9 +1,12 @@
 """mt/rundir.py: the run directory's file names, the checkpoint a translation uses, and the
 vocabulary check (shared by train.py, translate.py and averaging)."""
+import json
+import os
+
 import pytest
 
 from minitransformer.mt import checkpoint as ckpt
-from minitransformer.mt.rundir import RunDir
+from minitransformer.mt.rundir import RunDir, RunDirBusy
 
 
 def _touch(path, text=""):
@@ -54,3 +57,40 @@ def test_config_round_trip_and_holds_run(tmp_path):
     assert rd.read_config() == {"model": {"d_model": 8}, "train": {"seed": 1}}
     _touch(tmp_path / "run" / "checkpoint_last.npz")
     assert rd.holds_run()
+
+
+def test_one_training_run_holds_the_directory(tmp_path):
+    """The lock is exclusive (a second holder, even in this process, is refused with who
+    holds it) and released by unlock (and by the OS when the process ends)."""
+    first, second = RunDir(tmp_path), RunDir(tmp_path)
+    first.lock()
+    try:
+        with pytest.raises(RunDirBusy, match=rf"PID {os.getpid()}, since "):
+            second.lock()
+    finally:
+        first.unlock()
+    second.lock()  # free again
+    second.unlock()
+
+
+def test_trim_metrics_keeps_each_update_once(tmp_path):
+    rd = RunDir(tmp_path)
+    records = [{"update": u, "loss": 1.0} for u in (1, 2, 4, 6)] + \
+        [{"update": 4, "valid_loss": 2.0}, {"update": 8, "loss": 0.5}]
+    text = "".join(json.dumps(r) + "\n" for r in records) + '{"update": 9, "lo'  # cut by a kill
+    with open(rd.metrics, "w") as fh:
+        fh.write(text)
+    assert rd.trim_metrics(4) == 3
+    with open(rd.metrics) as fh:
+        assert [json.loads(line)["update"] for line in fh] == [1, 2, 4, 4]
+    assert rd.trim_metrics(4) == 0  # nothing more to drop: the file is left alone
+
+
+def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
+    rd = RunDir(tmp_path)
+    for name in (".tmp-abc-checkpoint_last.npz", ".tmp-x-config.json", "checkpoint_last.npz",
+                 "notes.tmp"):
+        (tmp_path / name).write_text("x")
+    assert sorted(rd.remove_stale_temporaries()) == [".tmp-abc-checkpoint_last.npz",
+                                                     ".tmp-x-config.json"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_last.npz", "notes.tmp"]

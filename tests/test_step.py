@@ -80,3 +80,40 @@ def test_an_overflowing_update_is_skipped_and_drops_its_gradients(seen_gradients
     # the next update, at a sane scale, goes through
     scaler.scale = 128.0
     assert train_step(model, optim, _batches(), lr=1e-3, scaler=scaler).applied
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_non_finite_gradient_never_reaches_the_parameters(flat):
+    """float32 (no scaler): a gradient holding a NaN skips the update, whole: parameters,
+    Adam's moments and step count unchanged, gradients dropped."""
+    model = _model()
+    optim = Adam(model.parameters(), flat=flat)
+    before = [p.data.copy() for p in model.parameters()]
+    emb = model.parameters()[0]
+    saved = emb.data[5].copy()
+    emb.data[5] = np.nan  # a poisoned embedding row: its tokens give NaN losses and gradients
+    batches = _batches()
+    batches[0]["src"][0, 0] = 5
+    result = train_step(model, optim, iter(batches), lr=1e-3)
+    emb.data[5] = saved
+    assert not result.applied and optim.t == 0
+    for p, b in zip(model.parameters(), before):
+        np.testing.assert_array_equal(p.data, b)
+        assert p.grad is None or not np.any(p.grad)
+
+
+def test_a_non_finite_loss_alone_skips_the_update(monkeypatch):
+    """A loss that is not finite skips the update even when the gradients look finite."""
+    model = _model()
+    optim = Adam(model.parameters(), flat=False)
+    loss_of = Transformer.loss
+
+    def infinite_loss(self, *args):
+        loss, n = loss_of(self, *args)
+        loss.data = loss.data * np.inf
+        return loss, n
+    monkeypatch.setattr(Transformer, "loss", infinite_loss)
+    before = [p.data.copy() for p in model.parameters()]
+    assert not train_step(model, optim, iter(_batches()), lr=1e-3).applied
+    for p, b in zip(model.parameters(), before):
+        np.testing.assert_array_equal(p.data, b)

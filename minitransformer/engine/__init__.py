@@ -1,4 +1,5 @@
 """The engine: Tensor and tape, the Functions (forward and backward side by side), gradcheck."""
+from .anomaly import AnomalyError, detect_anomaly
 from .attention import ScaledDotProductAttention, scaled_dot_product_attention
 from .cross_entropy import SoftmaxCrossEntropy, softmax_cross_entropy
 from .gradcheck import GradcheckError, gradcheck

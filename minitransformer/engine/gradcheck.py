@@ -159,69 +159,112 @@ def gradcheck(fn: Callable[..., Tensor], inputs: Sequence[Any], params: Sequence
     dtype = np.dtype(dtype)
     h0, rtol0, atol0 = TOLERANCES.get(dtype, TOLERANCES[np.dtype(np.float32)])
     h, rtol, atol = eps or h0, rtol or rtol0, atol or atol0
-    module = _module_of(fn)
-    if module is not None:  # check a copy in the check dtype (the module docstring)
-        original = module
-        module, memo = _copy_in_dtype(module, dtype)
-        if module is not original:  # fn runs on the copy: the module, or its bound method
-            fn = module if fn is original else types.MethodType(fn.__func__, module)
-        params = [_on_copy(p, memo) for p in params] or list(module.named_parameters())
+    fn, module, params = _on_check_copy(fn, params, dtype)
+    if module is not None:
         was_training = module.training
         module.train(train)
     named = [(f"param[{i}]", p) if isinstance(p, Tensor) else p for i, p in enumerate(params)]
+    tensors = _cast_inputs(inputs, dtype)
+    saved = _cast_params(named, dtype)  # (restored at the end)
+    evaluate = _evaluator(fn, tensors, _generators(module, inputs))
+    draws_before = dropout_draws()
+    try:
+        out, report = _check_all(evaluate, tensors, named, dtype, seed, h=h, rtol=rtol,
+                                 atol=atol, n_directions=n_directions, full_max=full_max)
+        draws = dropout_draws()
+    finally:
+        _restore(saved)
+        if module is not None:
+            module.train(was_training)
+    if raise_on_failure and not all(r["ok"] for r in report.values()):
+        lines = _failure_table(report, dtype, h, rtol, atol)
+        lines += _hints(out.dtype, dtype, draws_before, draws, module is not None and train)
+        raise GradcheckError("\n".join(lines))
+    return report
 
-    # cast float inputs and parameters to the check dtype (restored at the end)
+
+def _on_check_copy(fn, params, dtype):
+    """-> (fn, module, params) to check. When fn is a Module or a bound method of one, fn and
+    ``params`` are moved onto its ``dtype`` copy (params default to all its parameters);
+    otherwise they are returned as they are, with module None."""
+    module = _module_of(fn)
+    if module is None:
+        return fn, None, params
+    original = module
+    module, memo = _copy_in_dtype(module, dtype)
+    if module is not original:  # fn runs on the copy: the module, or its bound method
+        fn = module if fn is original else types.MethodType(fn.__func__, module)
+    params = [_on_copy(p, memo) for p in params] or list(module.named_parameters())
+    return fn, module, params
+
+
+def _cast_inputs(inputs, dtype):
+    """``inputs`` as Tensors: each float one a new leaf in ``dtype`` that requires grad,
+    integer ones (token ids) passed through."""
     tensors = []
     for x in inputs:
         t = x if isinstance(x, Tensor) else Tensor(x)
         if _float(t.data):
             t = Tensor(t.data.astype(dtype), requires_grad=True)
         tensors.append(t)
+    return tensors
+
+
+def _cast_params(named, dtype):
+    """Cast each (name, Tensor) parameter to ``dtype``, requiring grad, in place.
+    -> what ``_restore`` needs to undo it."""
     saved = [(p, p.data, p.requires_grad) for _, p in named]
     for _, p in named:
         p.data, p.requires_grad, p.grad = p.data.astype(dtype), True, None
-    generators = _generators(module, inputs)
+    return saved
 
+
+def _restore(saved):
+    """Undo ``_cast_params``: the original data and requires_grad, no gradient."""
+    for p, data, rg in saved:
+        p.data, p.requires_grad = data, rg
+        p.grad = None
+
+
+def _evaluator(fn, tensors, generators):
+    """-> evaluate(): fn(*tensors) (its first element when a tuple), with the dropout
+    ``generators`` reset first, so that every evaluation draws the same masks."""
     def evaluate():
         for g, state in generators:
             g.set_state(state)
         out = fn(*tensors)
         return out[0] if isinstance(out, tuple) else out
+    return evaluate
 
-    draws_before = dropout_draws()
-    try:
-        out = evaluate()
-        xp = out.xp
-        rs = np.random.default_rng(seed)
-        w = xp.asarray(rs.standard_normal(out.shape)).astype(dtype)  # structured upstream grad
-        (out * Tensor(w)).sum().backward()
 
-        def loss():
-            with no_grad():
-                return float((evaluate().data * w).sum())
+def _check_all(evaluate, tensors, named, dtype, seed, h, rtol, atol, n_directions, full_max):
+    """One backward of L = sum(w * out), w a random upstream weight, then each float input's
+    and each parameter's gradient compared with finite differences of L. -> (out, report)."""
+    out = evaluate()
+    xp = out.xp
+    rs = np.random.default_rng(seed)
+    w = xp.asarray(rs.standard_normal(out.shape)).astype(dtype)  # structured upstream grad
+    (out * Tensor(w)).sum().backward()
 
-        checked = [(f"input[{i}]", t) for i, t in enumerate(tensors)
-                   if _float(t.data)] + list(named)
-        report = {}
-        for name, t in checked:
-            report[name] = _check_one(t, loss, xp, rs, h, rtol, atol, n_directions, full_max)
-        draws = dropout_draws()
-    finally:
-        for p, data, rg in saved:
-            p.data, p.requires_grad = data, rg
-            p.grad = None
-        if module is not None:
-            module.train(was_training)
+    def loss():
+        with no_grad():
+            return float((evaluate().data * w).sum())
 
-    bad = {k: r for k, r in report.items() if not r["ok"]}
-    if bad and raise_on_failure:
-        lines = [f"gradcheck failed ({dtype}, h={h}, rtol={rtol}, atol={atol}):"]
-        for k, r in report.items():
-            lines.append(f"  {'FAIL' if not r['ok'] else 'ok  '} {k:<28} max abs {r['max_abs']:.3e}"
-                         f"  max rel {r['max_rel']:.3e}  at {r['where']}")
-        lines += _hints(out.dtype, dtype, draws_before, draws, module is not None and train)
-        raise GradcheckError("\n".join(lines))
-    return report
+    checked = [(f"input[{i}]", t) for i, t in enumerate(tensors)
+               if _float(t.data)] + list(named)
+    report = {}
+    for name, t in checked:
+        report[name] = _check_one(t, loss, xp, rs, h, rtol, atol, n_directions, full_max)
+    return out, report
+
+
+def _failure_table(report, dtype, h, rtol, atol):
+    """The lines of a GradcheckError: the settings, then one line per input and parameter."""
+    lines = [f"gradcheck failed ({dtype}, h={h}, rtol={rtol}, atol={atol}):"]
+    for k, r in report.items():
+        lines.append(f"  {'FAIL' if not r['ok'] else 'ok  '} {k:<28} max abs {r['max_abs']:.3e}"
+                     f"  max rel {r['max_rel']:.3e}  at {r['where']}")
+    return lines
 
 
 def _hints(out_dtype, dtype, draws_before, draws, module_train):

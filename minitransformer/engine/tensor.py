@@ -13,6 +13,7 @@ import itertools
 from typing import Any, Optional
 
 from .. import backend
+from . import anomaly
 
 _tape_counter = itertools.count()
 _grad_enabled = True
@@ -103,54 +104,15 @@ class Tensor:
             raise RuntimeError("backward() on a tensor that does not require grad: no input "
                                "of the computation had requires_grad=True (or it ran under "
                                "no_grad())")
-        xp = self.xp
-        if grad is None:
-            if self.size != 1:
-                raise RuntimeError(f"backward() on a non-scalar tensor of shape {self.shape} "
-                                   "needs a seed gradient: call t.backward(grad) with an array "
-                                   "of that shape, or reduce to a scalar first (e.g. .sum())")
-            grad = xp.ones(self.shape, dtype=self.dtype)
-        else:
-            grad = grad.data if isinstance(grad, Tensor) else xp.asarray(grad, dtype=self.dtype)
-            if grad.shape != self.shape:
-                raise ValueError(f"seed gradient has shape {grad.shape}, tensor has {self.shape}")
-
+        grad = _seed_gradient(self, grad)
         if self.node is None:  # a leaf
             _accumulate(self, grad)
             return
-        # Reachable nodes, visited in reverse tape order (= a reverse topological order).
-        nodes, stack, seen = [], [self.node], {id(self.node)}
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            for t in node.inputs:
-                if t.node is not None and id(t.node) not in seen:
-                    seen.add(id(t.node))
-                    stack.append(t.node)
-        nodes.sort(key=lambda n: n.tape_index, reverse=True)
-
-        grads = {id(self.node): grad}
-        for node in nodes:
+        grads = {id(self.node): grad}  # id(node) -> gradient of its output, summed so far
+        for node in _reachable_nodes(self.node):
             g_out = grads.pop(id(node), None)
-            if g_out is None:
-                continue
-            if node.released:
-                raise RuntimeError(f"second backward through {type(node).__name__}: its saved "
-                                   "arrays were released by the first backward; run the "
-                                   "forward pass again to build a new graph")
-            g_in = node.backward(g_out)
-            if not isinstance(g_in, tuple):
-                g_in = (g_in,)
-            node.release()
-            for t, g in zip(node.inputs, g_in):
-                if g is None or not t.requires_grad:
-                    continue
-                g = unbroadcast(g, t.shape, type(node).__name__)
-                if t.node is None:
-                    _accumulate(t, g)
-                else:
-                    key = id(t.node)
-                    grads[key] = g if key not in grads else grads[key] + g
+            if g_out is not None:
+                _backward_through(node, g_out, grads)
 
     # ---- operators: thin wrappers over the Functions in ops.py ------------------------
     def __add__(self, other): return _ops().add(self, other)
@@ -198,6 +160,62 @@ def _accumulate(t, g):
         t.grad = g.copy()  # g may be shared with another input (e.g. both sides of an add)
     else:
         t.grad += g
+
+
+def _seed_gradient(t, grad):
+    """The seed gradient dL/dt as an array of t's shape: ones for a scalar when ``grad`` is
+    None; RuntimeError / ValueError when it is missing or has the wrong shape."""
+    xp = t.xp
+    if grad is None:
+        if t.size != 1:
+            raise RuntimeError(f"backward() on a non-scalar tensor of shape {t.shape} "
+                               "needs a seed gradient: call t.backward(grad) with an array "
+                               "of that shape, or reduce to a scalar first (e.g. .sum())")
+        return xp.ones(t.shape, dtype=t.dtype)
+    grad = grad.data if isinstance(grad, Tensor) else xp.asarray(grad, dtype=t.dtype)
+    if grad.shape != t.shape:
+        raise ValueError(f"seed gradient has shape {grad.shape}, tensor has {t.shape}")
+    return grad
+
+
+def _reachable_nodes(root):
+    """The nodes reachable from ``root`` through their inputs, in reverse tape order (a
+    reverse topological order: every node comes before the nodes that made its inputs)."""
+    nodes, stack, seen = [], [root], {id(root)}
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        for t in node.inputs:
+            if t.node is not None and id(t.node) not in seen:
+                seen.add(id(t.node))
+                stack.append(t.node)
+    nodes.sort(key=lambda n: n.tape_index, reverse=True)
+    return nodes
+
+
+def _backward_through(node, g_out, grads):
+    """One step of the sweep: ``node``'s backward from the gradient of its output ``g_out``;
+    each input's gradient goes into a leaf's ``.grad``, or is added to ``grads`` (keyed by
+    id(node)) for the node that made the input. The node's saved arrays are released."""
+    if node.released:
+        raise RuntimeError(f"second backward through {type(node).__name__}: its saved "
+                           "arrays were released by the first backward; run the "
+                           "forward pass again to build a new graph")
+    g_in = node.backward(g_out)
+    if not isinstance(g_in, tuple):
+        g_in = (g_in,)
+    if anomaly.enabled():
+        anomaly.check_backward(node, g_out, g_in)
+    node.release()
+    for t, g in zip(node.inputs, g_in):
+        if g is None or not t.requires_grad:
+            continue
+        g = unbroadcast(g, t.shape, type(node).__name__)
+        if t.node is None:
+            _accumulate(t, g)
+        else:
+            key = id(t.node)
+            grads[key] = g if key not in grads else grads[key] + g
 
 
 def unbroadcast(g, shape, op="Function"):
@@ -267,6 +285,8 @@ class Function:
         fn = cls(**options)
         tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
         out = fn.forward(*(t.data for t in tensors))
+        if anomaly.enabled():  # (detect_anomaly: the first NaN or Inf names its op)
+            anomaly.check_forward(fn, [t.data for t in tensors], out)
         out = Tensor(out)
         if _grad_enabled and any(t.requires_grad for t in tensors):
             # Parameters are kept (their .grad is where gradients land); every other input

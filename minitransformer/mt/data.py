@@ -29,29 +29,55 @@ def read_lines(path):
     """
     path = os.fspath(path)
     if path == "-":
-        data, path = sys.stdin.buffer.read(), "<stdin>"
-    elif not os.path.exists(path):
-        raise DataError(f"{path}: no such file; check the path")
-    elif not os.path.isfile(path):
-        raise DataError(f"{path}: not a regular file; give the path of a text file")
+        path, data = "<stdin>", _read_stdin()
     else:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise DataError(f"{path}: cannot be read ({exc.strerror})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise DataError(f"{path}, line {line}: not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
-                        "convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`") from None
+        data = _read_file(path)
+    text = _decode_utf8(data, path)
     if text.startswith("\ufeff"):
         text = text[1:]
     lines = text.split("\n")
     if lines[-1] == "":  # the newline that ends the last line starts no new line
         lines.pop()
     return [line.strip() for line in lines]
+
+
+def _read_stdin():
+    """The bytes of standard input; DataError when it is closed or unreadable."""
+    stdin = getattr(sys.stdin, "buffer", sys.stdin)
+    if stdin is None or getattr(stdin, "closed", False):
+        raise DataError("standard input is closed; give the text with --input FILE or "
+                        "pipe it in")
+    try:
+        data = stdin.read()
+    except OSError as exc:
+        raise DataError(f"<stdin>: cannot be read ({exc.strerror or exc}); give the text "
+                        "with --input FILE") from None
+    if isinstance(data, str):  # a text stream without .buffer (a test's StringIO)
+        data = data.encode("utf-8")
+    return data
+
+
+def _read_file(path):
+    """The bytes of the regular file ``path``; DataError naming it when it cannot be read."""
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such file; check the path")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: not a regular file; give the path of a text file")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror})") from None
+
+
+def _decode_utf8(data, path):
+    """``data`` decoded as UTF-8; DataError naming the line of the first invalid byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}, line {line}: not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
+                        "convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`") from None
 
 
 def read_parallel(src_path, tgt_path):
@@ -76,6 +102,19 @@ def read_parallel(src_path, tgt_path):
                         f"text on both sides ({len(src_all)} lines, {skipped} with an empty "
                         "side); check the paths")
     return src_lines, tgt_lines, {"pairs": len(src_lines), "skipped_empty": skipped}
+
+
+def overlong_pairs(src_ids, tgt_ids, max_positions):
+    """Indices of the pairs a model with ``max_positions`` positions cannot hold whole:
+    source + EOS longer than ``max_positions`` (``len(src) + 1 > max_positions``) or target +
+    BOS (decoder input; + EOS as its output) longer than it (``len(tgt) + 1 >
+    max_positions``). ``src_ids`` / ``tgt_ids``: aligned lists of token-id lists (no BOS /
+    EOS). -> sorted list of int, empty when every pair fits (the same test as ``Batches``
+    with ``max_len=max_positions``)."""
+    if len(src_ids) != len(tgt_ids):
+        raise DataError(f"{len(src_ids)} source but {len(tgt_ids)} target sentences")
+    return [i for i, (s, t) in enumerate(zip(src_ids, tgt_ids))
+            if len(s) + 1 > max_positions or len(t) + 1 > max_positions]
 
 
 # ----------------------------------------------------------------------------- batching

@@ -24,6 +24,7 @@ each rank reseeds its dropout generator at every update from (seed, rank, update
 """
 import contextlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -71,14 +72,18 @@ def init_from_env(device=None):
     return Comm(MPI, MPI.COMM_WORLD, device=device)
 
 
+AGREED_STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # train.py's, every rank
+
+
 @contextlib.contextmanager
 def abort_on_error(comm):
     """Turn a failure on one rank into the end of the whole job.
 
     A rank that exits while the others wait in a collective would leave them waiting forever
     (MPI_Finalize waits for all ranks), so an exception, or a non-zero ``sys.exit``, prints
-    its message and calls MPI_Abort, which makes the launcher stop every rank. No-op without
-    a Comm.
+    its message and calls MPI_Abort, which makes the launcher stop every rank. A stop the
+    ranks agreed on (a signal: all save, then exit with 128 + its number) ends normally.
+    No-op without a Comm.
     """
     if comm is None:
         yield
@@ -87,7 +92,7 @@ def abort_on_error(comm):
         yield
     except SystemExit as exc:
         code = exc.code
-        if code is None or code == 0:
+        if code is None or code == 0 or code in AGREED_STOP_CODES:
             raise
         if not isinstance(code, int):
             print(code, file=sys.stderr, flush=True)

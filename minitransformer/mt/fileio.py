@@ -1,4 +1,5 @@
 """Atomic file writes: a killed process leaves either the old file or the new one, never half."""
+import errno
 import os
 import tempfile
 
@@ -14,11 +15,38 @@ def atomic_write(path, write):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:  # (a failed write or fsync)
+            raise OSError(exc.errno, exc.strerror, path) from exc
         raise
 
 
 def atomic_write_text(path, text):
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+# what to do about an OS error on one of the user's paths, by errno
+_OS_HINTS = {
+    errno.ENOSPC: "the disk is full: free some space, then run again (--resume continues a "
+                  "run; the files saved before are intact)",
+    errno.EDQUOT: "the disk quota is used up: free some space, then run again",
+    errno.EROFS: "the file system is read-only: choose a path on a writable one",
+    errno.EACCES: "permission denied: fix the permissions or choose another path",
+    errno.EPERM: "not permitted: fix the permissions or choose another path",
+    errno.EISDIR: "it is a directory: give a file",
+    errno.ENOTDIR: "part of the path is a file, not a directory: give a directory",
+    errno.EEXIST: "a file is in the way: give a directory (or remove the file)",
+    errno.ENOENT: "no such file or directory",
+}
+
+
+def describe_os_error(exc):
+    """One line for an OSError on a user's path: the path, what happened, what to do."""
+    where = exc.filename if exc.filename is not None else "a file"
+    if exc.filename2 is not None:
+        where = f"{where} -> {exc.filename2}"
+    hint = _OS_HINTS.get(exc.errno)
+    what = exc.strerror or str(exc)
+    return f"{where}: {what}" + (f"; {hint}" if hint and hint != what.lower() else "")

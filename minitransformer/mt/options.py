@@ -8,10 +8,10 @@ config file named, so that ``--resume`` can tell a deliberate change from a defa
 import argparse
 import dataclasses
 import json
-import os
 import sys
 
 from ..nn.transformer import PRESETS, TransformerConfig
+from .ranges import add_number, check_ranges
 
 USAGE = """train.py: train a Transformer on parallel text, the paper's recipe (§5), from the
 command line.
@@ -28,17 +28,34 @@ MODEL_FLAGS = ["d_model", "n_heads", "d_ff", "n_layers", "dropout", "attention_d
                "relu_dropout", "label_smoothing", "smoothing", "norm", "positions",
                "sinusoid_layout", "max_positions", "share_embeddings"]
 
+# the valid range of each numeric model flag (ranges.py)
+MODEL_RANGES = {"d_model": ">= 1", "n_heads": ">= 1", "d_ff": ">= 1", "n_layers": ">= 1",
+                "dropout": "[0, 1)", "attention_dropout": "[0, 1)", "relu_dropout": "[0, 1)",
+                "label_smoothing": "[0, 1)", "max_positions": ">= 2"}
+
 # options that describe this process, not the run: never saved in config.json
 PER_PROCESS = {"config", "resume", "run_dir", "device", "no_progress"}
 
 
 def build_parser():
+    """The train.py argument parser: --config, then the flags in four groups."""
     p = argparse.ArgumentParser(prog="train.py", description=USAGE,
+                                usage="python train.py [options]   (all of them: --help)",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    a("--config", help="JSON or TOML file of options (keys as flag names, '-' or '_'); "
-                       "flags on the command line win")
-    g = p.add_argument_group("data")
+    p.add_argument("--config", help="JSON or TOML file of options (keys as flag names, '-' or "
+                                    "'_'); flags on the command line win")
+    _data_flags(p.add_argument_group("data"))
+    _model_flags(p.add_argument_group("model"))
+    g = p.add_argument_group("optimisation")
+    _optimiser_flags(g)
+    _precision_flags(g)
+    _budget_flags(g)
+    _run_flags(p.add_argument_group("validation, checkpoints, logging"))
+    return p
+
+
+def _data_flags(g):
+    """The corpus, its splits, the subword vocabulary and the batches."""
     g.add_argument("--data", help="directory with {split}.{lang} files; without it a synthetic "
                                   "corpus is generated in RUN_DIR/data")
     g.add_argument("--src-lang", default=None, help="source file suffix (default: src)")
@@ -47,93 +64,123 @@ def build_parser():
     g.add_argument("--valid-split", default="valid")
     g.add_argument("--test-split", default="test", help="scored with beam search at the end "
                                                         "if its files exist ('' to skip)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="joint sentencepiece vocabulary (default 8000; 1000 for the synthetic "
-                        "corpus)")
+    add_number(g, "--vocab-size", int, ">= 8", default=None,
+               help="joint sentencepiece vocabulary (default 8000; 1000 for the synthetic "
+                    "corpus)")
     g.add_argument("--spm-type", default=None, choices=["unigram", "bpe", "char", "word"],
                    help="sentencepiece algorithm (default unigram; bpe for the synthetic corpus, "
                         "whose words it keeps whole)")
-    g.add_argument("--subword-alpha", type=float, default=0.0,
-                   help="subword regularization: each epoch, each training sentence gets one of "
-                        "its --subword-nbest segmentations x with probability ~ P(x)^alpha "
-                        "(unigram models; 0 = off, always the best one; e.g. 0.5)")
-    g.add_argument("--subword-nbest", type=int, default=16,
-                   help="segmentations per sentence to sample from (with --subword-alpha)")
-    g.add_argument("--max-tokens", type=int, default=4096,
-                   help="padded source (and target) tokens per batch")
-    g.add_argument("--max-len", type=int, default=256,
-                   help="drop training pairs longer than this many tokens (counted in the log)")
-    g.add_argument("--synthetic-pairs", type=int, default=20000,
-                   help="training pairs of the generated corpus (no --data)")
-    g = p.add_argument_group("model")
+    add_number(g, "--subword-alpha", float, ">= 0", default=0.0,
+               help="subword regularization: each epoch, each training sentence gets one of "
+                    "its --subword-nbest segmentations x with probability ~ P(x)^alpha "
+                    "(unigram models; 0 = off, always the best one; e.g. 0.5)")
+    add_number(g, "--subword-nbest", int, ">= 1", default=16,
+               help="segmentations per sentence to sample from (with --subword-alpha)")
+    add_number(g, "--max-tokens", int, ">= 1", default=4096,
+               help="padded source (and target) tokens per batch")
+    add_number(g, "--max-len", int, ">= 1", default=256,
+               help="drop training pairs longer than this many tokens (counted in the log)")
+    add_number(g, "--synthetic-pairs", int, ">= 10", default=20000,
+               help="training pairs of the generated corpus (no --data)")
+
+
+def _model_flags(g):
+    """--preset, and one flag per MODEL_FLAGS field of TransformerConfig, overriding it."""
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     for f in dataclasses.fields(TransformerConfig):
-        if f.name in MODEL_FLAGS:
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in (bool, "bool"):
-                g.add_argument(flag, dest=f.name, default=None,
-                               action=argparse.BooleanOptionalAction)
-            else:
-                typ = {"int": int, "float": float, "str": str}.get(str(f.type), f.type)
-                g.add_argument(flag, dest=f.name, type=typ, default=None,
-                               help=f"overrides the preset (paper default {f.default})")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--lr-factor", type=float, default=1.0,
-                   help="multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
+        if f.name not in MODEL_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            g.add_argument(flag, dest=f.name, default=None,
+                           action=argparse.BooleanOptionalAction)
+        elif f.name in MODEL_RANGES:
+            typ = {"int": int, "float": float}.get(str(f.type), f.type)
+            add_number(g, flag, typ, MODEL_RANGES[f.name], dest=f.name, default=None,
+                       help=f"overrides the preset (paper default {f.default})")
+        else:
+            g.add_argument(flag, dest=f.name, default=None,
+                           help=f"overrides the preset (paper default {f.default})")
+
+
+def _optimiser_flags(g):
+    """The learning-rate schedule, Adam and gradient clipping."""
+    add_number(g, "--lr-factor", float, "> 0", default=1.0,
+               help="multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
     g.add_argument("--lr-schedule", default="inverse-sqrt", choices=["inverse-sqrt", "linear"],
                    help="after the warm-up: the paper's inverse square root decay, or a straight "
                         "line to 0 at --max-updates (for a fixed budget of updates)")
-    g.add_argument("--warmup", type=int, default=None,
-                   help="warm-up updates (default 4000 as in the paper; 300 for the synthetic "
-                        "corpus)")
-    g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.98])
-    g.add_argument("--adam-eps", type=float, default=1e-9)
-    g.add_argument("--clip-norm", type=float, default=0.0, help="0 = no clipping")
+    add_number(g, "--warmup", int, ">= 1", default=None,
+               help="warm-up updates (default 4000 as in the paper; 300 for the synthetic "
+                    "corpus)")
+    add_number(g, "--adam-betas", float, "[0, 1)", nargs=2, default=[0.9, 0.98],
+               help="Adam's beta1 and beta2 (default 0.9 0.98)")
+    add_number(g, "--adam-eps", float, "> 0", default=1e-9)
+    add_number(g, "--clip-norm", float, ">= 0", default=0.0,
+               help="clip the gradient's global norm to this; 0 = no clipping")
+
+
+def _precision_flags(g):
+    """--precision and the loss scaling of float16 training."""
     g.add_argument("--precision", default="float32", choices=["float32", "float16"],
                    help="float16: mixed precision, for GPUs with float16 tensor cores (float16 "
                         "activations and products, float32 master weights and optimizer, "
                         "dynamic loss scaling); on a CPU it is slower than float32")
-    g.add_argument("--loss-scale-init", type=float, default=2.0 ** 7,
-                   help="float16: the first loss scale (of the loss summed over a batch's tokens)")
-    g.add_argument("--loss-scale-window", type=int, default=2000,
-                   help="float16: double the loss scale after this many updates without overflow")
-    g.add_argument("--min-loss-scale", type=float, default=2.0 ** -14,
-                   help="float16: stop with an error when overflows push the loss scale below this")
-    g.add_argument("--update-freq", type=int, default=1,
-                   help="accumulate gradients over this many batches per update")
-    g.add_argument("--max-updates", type=int, default=None,
-                   help="0 = no limit (default; 600 for the synthetic corpus)")
-    g.add_argument("--max-epochs", type=int, default=0, help="0 = no limit")
-    g.add_argument("--max-time", type=float, default=0.0, help="minutes of training; 0 = no limit")
-    g.add_argument("--seed", type=int, default=1)
-    g = p.add_argument_group("validation, checkpoints, logging")
+    add_number(g, "--loss-scale-init", float, "> 0", default=2.0 ** 7,
+               help="float16: the first loss scale (of the loss summed over a batch's tokens)")
+    add_number(g, "--loss-scale-window", int, ">= 1", default=2000,
+               help="float16: double the loss scale after this many updates without overflow")
+    add_number(g, "--min-loss-scale", float, "> 0", default=2.0 ** -14,
+               help="float16: stop with an error when overflows push the loss scale below this")
+
+
+def _budget_flags(g):
+    """Batches per update, when training stops, and the random seed."""
+    add_number(g, "--update-freq", int, ">= 1", default=1,
+               help="accumulate gradients over this many batches per update")
+    add_number(g, "--max-updates", int, ">= 0", default=None,
+               help="0 = no limit (default; 600 for the synthetic corpus)")
+    add_number(g, "--max-epochs", int, ">= 0", default=0, help="0 = no limit")
+    add_number(g, "--max-time", float, ">= 0", default=0.0,
+               help="minutes of training; 0 = no limit")
+    add_number(g, "--max-bad-updates", int, ">= 1", default=5,
+               help="stop when this many updates in a row have a loss or gradient that is not "
+                    "finite (each is skipped; the run ends with the first op that made a NaN "
+                    "or Inf, and its checkpoints as the last good validation left them)")
+    add_number(g, "--seed", int, ">= 0", default=1)
+
+
+def _run_flags(g):
+    """The run directory, validation, checkpoints, logging, the final test and the device."""
     g.add_argument("--run-dir", default="runs/default")
     g.add_argument("--resume", action="store_true",
                    help="continue from RUN_DIR/checkpoint_last.npz exactly where it stopped")
-    g.add_argument("--valid-every", type=int, default=None,
-                   help="validate every K updates (default 500; 200 for the synthetic corpus)")
-    g.add_argument("--valid-bleu-sentences", type=int, default=500,
-                   help="validation BLEU on the first N sentences (greedy); 0 = all")
-    g.add_argument("--save-every", type=int, default=0,
-                   help="periodic checkpoint every K updates (default: at each validation)")
-    g.add_argument("--keep-last", type=int, default=5, help="periodic checkpoints kept")
-    g.add_argument("--log-every", type=int, default=50)
+    add_number(g, "--valid-every", int, ">= 1", default=None,
+               help="validate every K updates (default 500; 200 for the synthetic corpus)")
+    add_number(g, "--valid-bleu-sentences", int, ">= 0", default=500,
+               help="validation BLEU on the first N sentences (greedy); 0 = all")
+    add_number(g, "--save-every", int, ">= 0", default=0,
+               help="periodic checkpoint every K updates (default: at each validation)")
+    add_number(g, "--keep-last", int, ">= 0", default=5,
+               help="periodic checkpoints kept (0 = all)")
+    add_number(g, "--log-every", int, ">= 1", default=50)
     g.add_argument("--no-progress", action="store_true", help="plain log lines, no tqdm bar")
-    g.add_argument("--beam", type=int, default=4, help="beam size for the final test score")
-    g.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty")
-    g.add_argument("--average-last", type=int, default=0,
-                   help="score the test split with the average of the last N periodic checkpoints")
+    add_number(g, "--beam", int, ">= 1", default=4, help="beam size for the final test score")
+    add_number(g, "--alpha", float, ">= 0", default=0.6, help="GNMT length penalty")
+    add_number(g, "--average-last", int, ">= 0", default=0,
+               help="score the test split with the average of the last N periodic checkpoints")
     g.add_argument("--device", default=None, help="cpu or cuda (default: $MINITRANSFORMER_DEVICE "
                                                    "or cpu)")
-    return p
 
 
 def load_config_file(path):
     """Options from a .json or .toml file -> dict with '_' keys."""
-    if not os.path.exists(path):
-        raise SystemExit(f"error: --config {path}: file not found")
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise SystemExit(f"error: --config {path}: cannot read it ({exc.strerror}); give a "
+                         ".json or .toml file of options") from None
     try:
         if path.endswith(".toml"):
             import tomllib
@@ -142,6 +189,10 @@ def load_config_file(path):
             d = json.loads(raw.decode("utf-8"))
     except Exception as exc:
         raise SystemExit(f"error: --config {path}: cannot parse ({exc})") from None
+    if not isinstance(d, dict):
+        raise SystemExit(f"error: --config {path}: the top level must be a table of options "
+                         f"(a JSON object such as {{\"warmup\": 4000}}), not "
+                         f"{type(d).__name__}")
     return {k.replace("-", "_"): v for k, v in d.items()}
 
 
@@ -154,6 +205,7 @@ def parse_args(argv=None):
         unknown = sorted(set(options) - known)
         if unknown:
             raise SystemExit(f"error: --config {args.config}: unknown options {unknown}")
+        check_ranges(parser, options, f"--config {args.config}")
         parser.set_defaults(**options)
         args = parser.parse_args(argv)
     args.explicit = {a.dest for a in parser._actions
@@ -211,9 +263,6 @@ def check_options(args):
     if args.lr_schedule == "linear" and not args.max_updates > args.warmup:
         raise SystemExit("error: --lr-schedule linear decays to 0 at --max-updates; "
                          f"give --max-updates N with N > --warmup ({args.warmup})")
-    if not args.subword_alpha >= 0:  # NaN too
-        raise SystemExit(f"error: --subword-alpha must be >= 0 (0 = off), got "
-                         f"{args.subword_alpha}")
     if args.subword_alpha > 0 and args.spm_type != "unigram":
         raise SystemExit(f"error: --subword-alpha samples segmentations of a unigram model; "
                          f"this run's --spm-type is {args.spm_type}: add --spm-type unigram "

@@ -8,13 +8,19 @@
     RUN_DIR/checkpoint_<update>.npz   periodic checkpoints (the last --keep-last kept)
     RUN_DIR/metrics.jsonl             one JSON record per log line and per validation
     RUN_DIR/<split>.hyp               the test split's translations
+    RUN_DIR/train.lock                held (flock) by the run training here; who and since when
 
 train.py writes it, translate.py and averaging read it; the checkpoint a translation uses
 (the best, else the last; or the average of the last N periodic ones) and the check that a
 checkpoint belongs with the run's vocabulary are made here, once.
 """
+import datetime
+import errno
+import fcntl
+import glob
 import json
 import os
+import socket
 
 from . import checkpoint as ckpt
 from .fileio import atomic_write_text
@@ -41,6 +47,7 @@ class RunDir:
     last = _path("checkpoint_last.npz")  # the latest state
     best = _path("checkpoint_best.npz")  # the best validation BLEU
     metrics = _path("metrics.jsonl")
+    lock_file = _path("train.lock")      # one training run at a time (RunDir.lock)
 
     def periodic(self, update):
         return self.file(f"checkpoint_{update}.npz")
@@ -48,10 +55,61 @@ class RunDir:
     def hypotheses(self, split):
         return self.file(f"{split}.hyp")
 
+    # ---- one run at a time ----
+    def lock(self):
+        """Take the run directory for this process: an exclusive ``flock`` on train.lock,
+        held until the process ends (the OS releases it when the process dies, however it
+        dies, so a killed run never leaves the directory locked). Another process holding
+        it -> RunDirBusy naming its host, PID and start time. Reading the run (translate.py,
+        averaging) takes no lock."""
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
+            os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            raise RunDirBusy(self.path, holder) from None
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, PID {os.getpid()}, since {since}\n"
+                 .encode("utf-8"))
+        self._lock_fd = fd  # kept open (and so locked) for the life of the process
+
+    def unlock(self):
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            os.close(fd)  # closing releases the flock
+            self._lock_fd = None
+
+    def remove_stale_temporaries(self):
+        """Delete the temporary files of saves that were interrupted (a killed process
+        leaves ``.tmp-*`` beside the file it was replacing; the file itself is intact).
+        Call only while holding the lock. -> the names removed."""
+        removed = []
+        for path in glob.glob(os.path.join(glob.escape(self.path), ".tmp-*")):
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        return removed
+
     # ---- the run's state ----
     def holds_run(self):
         """Whether a run has saved its state here (what --resume continues)."""
         return os.path.exists(self.last)
+
+    def trim_metrics(self, update):
+        """Drop the records of metrics.jsonl after ``update`` (and a line cut short by a
+        kill): a run resumed from its checkpoint at ``update`` logs those updates again, so
+        each update is recorded once. -> the number of lines dropped."""
+        if not os.path.exists(self.metrics):
+            return 0
+        with open(self.metrics, encoding="utf-8") as fh:
+            lines = fh.readlines()
+        keep = [line for line in lines if _record_update(line) <= update]
+        if len(keep) != len(lines):
+            atomic_write_text(self.metrics, "".join(keep))
+        return len(lines) - len(keep)
 
     def read_config(self):
         with open(self.config, encoding="utf-8") as fh:
@@ -108,3 +166,22 @@ class RunDir:
         if vocab_size is not None and model_vocab is not None and vocab_size != model_vocab:
             raise ckpt.CheckpointError(f"{self.spm_model} has {vocab_size} pieces but the "
                                        f"checkpoint's model has vocab_size {model_vocab}")
+
+
+def _record_update(line):
+    """The update a metrics.jsonl line records (inf for a line that is not a whole record)."""
+    try:
+        return json.loads(line).get("update", 0)
+    except (ValueError, AttributeError):
+        return float("inf")
+
+
+class RunDirBusy(RuntimeError):
+    """Another process trains in this run directory."""
+
+    def __init__(self, path, holder):
+        super().__init__(f"--run-dir {path} is in use by another training run "
+                         f"({holder or 'holder unknown'}); wait for it to finish or stop it "
+                         "(it saves on SIGINT / SIGTERM), or choose another --run-dir. "
+                         "translate.py can read the run meanwhile")
+        self.path, self.holder = path, holder

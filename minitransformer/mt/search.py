@@ -12,6 +12,8 @@ or |Y| ** alpha with ``length_penalty="power"``. A hypothesis ending in EOS is k
 it ranks among the ``beam`` best candidates of its step (so beam 1 is exactly greedy); a
 sentence stops once it has ``beam`` finished hypotheses, or at the maximum length
 (source length + ``max_len_a``, 50 by default), where active hypotheses are finished as they are.
+The maximum length is capped at ``max_positions - 1`` tokens (``output_limits``): BOS and the
+output then fit the decoder's positions, so a long source never runs decoding past them.
 """
 from __future__ import annotations
 
@@ -68,6 +70,14 @@ def top_m(xp, x, m, groups_of=32):
     return top
 
 
+def output_limits(model: Transformer, src: Any, max_len_a: int) -> np.ndarray:
+    """Maximum output length of each row of src (B, S): its length (EOS included, padding
+    not) + ``max_len_a``, at most ``max_positions - 1`` (BOS + output fit the decoder's
+    position table) and at least 1. -> int64 host array (B,)."""
+    lengths = to_numpy((src != model.cfg.pad_id).sum(axis=1)).astype(np.int64) + int(max_len_a)
+    return np.clip(lengths, 1, max(1, model.cfg.max_positions - 1))
+
+
 def greedy_search(model: Transformer, src: Any, max_len_a: int = 50) -> list[list[int]]:
     """src ids (B, S) -> list of B token-id lists (EOS and padding stripped)."""
     with no_grad():
@@ -76,7 +86,7 @@ def greedy_search(model: Transformer, src: Any, max_len_a: int = 50) -> list[lis
         src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B = src.shape[0]
         state = model.start_decoding(src)
-        limit = to_numpy((src != model.cfg.pad_id).sum(axis=1)) + max_len_a
+        limit = output_limits(model, src, max_len_a)
         alive = np.arange(B)  # original sentence of each batch row
         out = [[] for _ in range(B)]
         last = xp.full((B, 1), model.cfg.bos_id, dtype=src.dtype)
@@ -114,60 +124,103 @@ def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
         B, k = src.shape[0], beam
         eos = model.cfg.eos_id
         state = model.start_decoding(src)
-        limit = to_numpy((src != model.cfg.pad_id).sum(axis=1)) + max_len_a
+        limit = output_limits(model, src, max_len_a)
         state.keep_rows(xp.repeat(xp.arange(B), k))  # beams of sentence b: rows b*k .. b*k+k-1
         alive = np.arange(B)  # original sentence of each active block of k rows
-        tokens = np.zeros((B, k, 0), dtype=np.int64)
-        scores = np.full((B, k), -np.inf)
-        scores[:, 0] = 0.0  # at the start only one hypothesis is live
+        tokens, scores = _first_beams(B, k)
         finished = [[] for _ in range(B)]
         last = xp.full((B * k, 1), model.cfg.bos_id, dtype=src.dtype)
         t = 0
         while len(alive):
             logp = _forbid(model.next_scores(last, state, log_probs=True), model.cfg)  # (n*k, V)
-            n, V = len(alive), logp.shape[-1]
-            # The 2k best candidates of each sentence, best first: at most k of them end in
-            # EOS (one per beam), so at least k continue. Each of them is among the 2k best
-            # tokens of its own beam, so those are found first, on the device and in the
-            # model's precision; only n*k*2k numbers come back.
-            m = min(2 * k, V)
-            best = top_m(xp, logp, m)  # (n*k, m), any order
-            best_lp = to_numpy(xp.take_along_axis(logp, best, 1)).astype(np.float64)
-            best = to_numpy(best).reshape(n, k * m)
-            cand = (scores[:, :, None] + best_lp.reshape(n, k, m)).reshape(n, k * m)
-            order = np.argsort(-cand, axis=1, kind="stable")[:, :2 * k]
-            top_scores = np.take_along_axis(cand, order, 1)
-            prev, tok = order // m, np.take_along_axis(best, order, 1)
-            ends = (tok == eos) & np.isfinite(top_scores)
+            top_scores, prev, tok = _best_candidates(xp, logp, scores, k)
             t += 1
             lp = _length_penalty(t - 1, alpha, length_penalty)
-            for i, r in zip(*np.nonzero(ends[:, :k])):  # EOS counts only among the k best
-                finished[alive[i]].append((top_scores[i, r] / lp, tokens[i, prev[i, r]].tolist()))
-            # the k best candidates that do not end: a stable sort puts non-EOS first
-            pick = np.argsort(tok == eos, axis=1, kind="stable")[:, :k]
-            prev, tok = np.take_along_axis(prev, pick, 1), np.take_along_axis(tok, pick, 1)
-            new_scores = np.take_along_axis(top_scores, pick, 1)
-            new_tokens = np.concatenate([np.take_along_axis(tokens, prev[:, :, None], 1),
-                                         tok[:, :, None]], axis=2)  # (n, k, t)
-            at_limit = t >= limit[alive]
+            _finish_ending(finished, alive, top_scores, prev, tok, tokens, eos, lp)
+            prev, tokens, scores = _continuing(top_scores, prev, tok, tokens, eos, k)
             lp = _length_penalty(t, alpha, length_penalty)
-            for i in np.nonzero(at_limit)[0]:  # maximum length: finish the live ones as they are
-                finished[alive[i]].extend((new_scores[i, j] / lp, new_tokens[i, j].tolist())
-                                          for j in range(k) if np.isfinite(new_scores[i, j]))
-            open_ = ~at_limit & np.isfinite(new_scores[:, 0]) & \
-                np.array([len(finished[b]) < k for b in alive], dtype=bool)
-            kb = np.nonzero(open_)[0]
+            kb = _finish_at_limit(finished, alive, t >= limit[alive], tokens, scores, lp)
             if not len(kb):
                 break
-            if len(kb) < n:  # sentences left: drop their blocks of k rows
-                state.keep_rows(xp.asarray((kb[:, None] * k + np.arange(k)).reshape(-1)))
-            # beam j of (remaining) sentence i continues beam prev of that sentence
-            state.reorder_history(xp.asarray(
-                (np.arange(len(kb))[:, None] * k + prev[kb]).reshape(-1)))
-            alive, tokens, scores = alive[kb], new_tokens[kb], new_scores[kb]
+            _keep_beams(state, xp, kb, prev, k)
+            alive, tokens, scores = alive[kb], tokens[kb], scores[kb]
             last = xp.asarray(tokens[:, :, -1].reshape(-1, 1)).astype(src.dtype)
-        results = []
-        for hyps in finished:
-            hyps = sorted(hyps, key=lambda x: -x[0])
-            results.append(hyps if return_all else (hyps[0][1] if hyps else []))
-        return results
+        return _best_first(finished, return_all)
+
+
+def _first_beams(B, k):
+    """tokens (B, k, 0) and scores (B, k) at the start: only beam 0 of each sentence is live."""
+    tokens = np.zeros((B, k, 0), dtype=np.int64)
+    scores = np.full((B, k), -np.inf)
+    scores[:, 0] = 0.0
+    return tokens, scores
+
+
+def _best_candidates(xp, logp, scores, k):
+    """The 2k best candidates of each of the n sentences, best first -> (scores, beam they
+    extend, token), each (n, 2k) on the host; ``logp`` (n*k, V), ``scores`` (n, k)."""
+    n, V = scores.shape[0], logp.shape[-1]
+    # At most k of the 2k end in EOS (one per beam), so at least k continue. Each of them is
+    # among the 2k best tokens of its own beam, so those are found first, on the device and
+    # in the model's precision; only n*k*2k numbers come back.
+    m = min(2 * k, V)
+    best = top_m(xp, logp, m)  # (n*k, m), any order
+    best_lp = to_numpy(xp.take_along_axis(logp, best, 1)).astype(np.float64)
+    best = to_numpy(best).reshape(n, k * m)
+    cand = (scores[:, :, None] + best_lp.reshape(n, k, m)).reshape(n, k * m)
+    order = np.argsort(-cand, axis=1, kind="stable")[:, :2 * k]
+    top_scores = np.take_along_axis(cand, order, 1)
+    return top_scores, order // m, np.take_along_axis(best, order, 1)
+
+
+def _finish_ending(finished, alive, top_scores, prev, tok, tokens, eos, lp):
+    """Add the candidates that end in EOS, among the k best of their sentence, to
+    ``finished``, scored by their log-probability / ``lp``."""
+    k = tokens.shape[1]
+    ends = (tok == eos) & np.isfinite(top_scores)
+    for i, r in zip(*np.nonzero(ends[:, :k])):  # EOS counts only among the k best
+        finished[alive[i]].append((top_scores[i, r] / lp, tokens[i, prev[i, r]].tolist()))
+
+
+def _continuing(top_scores, prev, tok, tokens, eos, k):
+    """The k best candidates that do not end in EOS -> (beam each extends (n, k), their
+    tokens (n, k, t), their scores (n, k))."""
+    pick = np.argsort(tok == eos, axis=1, kind="stable")[:, :k]  # stable: non-EOS first
+    prev, tok = np.take_along_axis(prev, pick, 1), np.take_along_axis(tok, pick, 1)
+    new_scores = np.take_along_axis(top_scores, pick, 1)
+    new_tokens = np.concatenate([np.take_along_axis(tokens, prev[:, :, None], 1),
+                                 tok[:, :, None]], axis=2)  # (n, k, t)
+    return prev, new_tokens, new_scores
+
+
+def _finish_at_limit(finished, alive, at_limit, tokens, scores, lp):
+    """Finish the live hypotheses of the sentences ``at_limit`` (maximum length) as they are,
+    scored / ``lp``. -> indices of the sentences still open: not at the limit, a live
+    hypothesis left and fewer than k finished."""
+    k = tokens.shape[1]
+    for i in np.nonzero(at_limit)[0]:
+        finished[alive[i]].extend((scores[i, j] / lp, tokens[i, j].tolist())
+                                  for j in range(k) if np.isfinite(scores[i, j]))
+    open_ = ~at_limit & np.isfinite(scores[:, 0]) & \
+        np.array([len(finished[b]) < k for b in alive], dtype=bool)
+    return np.nonzero(open_)[0]
+
+
+def _keep_beams(state, xp, kb, prev, k):
+    """Reduce the decoder ``state`` to the open sentences ``kb`` (of n), and reorder each
+    one's k beams to follow the beams ``prev`` (n, k) they continue."""
+    if len(kb) < len(prev):  # sentences left: drop their blocks of k rows
+        state.keep_rows(xp.asarray((kb[:, None] * k + np.arange(k)).reshape(-1)))
+    # beam j of (remaining) sentence i continues beam prev of that sentence
+    state.reorder_history(xp.asarray(
+        (np.arange(len(kb))[:, None] * k + prev[kb]).reshape(-1)))
+
+
+def _best_first(finished, return_all):
+    """Each sentence's finished (score, tokens) sorted best first, or (``return_all``
+    False) just the best tokens ([] when none finished)."""
+    results = []
+    for hyps in finished:
+        hyps = sorted(hyps, key=lambda x: -x[0])
+        results.append(hyps if return_all else (hyps[0][1] if hyps else []))
+    return results

@@ -7,14 +7,17 @@ train.py (``Trainer.train_update``) and the benchmark (bench/bench.py) both call
     L_b, n_b = model.loss(b)             summed loss and target-token count of batch b
     backward of L_b (of S * L_b in float16, S the loss scale), gradients adding up
     under mpiexec: gradients, sum L_b and sum n_b summed over the ranks (one all-reduce)
-    g = grad / n   (n = all target tokens; / S too in float16, and if g holds inf or NaN
-                    the update is skipped, its gradients dropped, and S halves)
+    g = grad / n   (n = all target tokens; / S too in float16)
+    if g or the loss holds an inf or a NaN: the update is skipped, its gradients dropped
+                   (float16: S halves, an overflow now and then is expected; float32: the
+                   caller counts bad updates in a row, the divergence guard of train.py)
     g clipped to global norm clip_norm (when > 0)
     Adam step at learning rate lr, gradients zeroed
 
 Dividing by the token count after the sum (not each batch's loss by its own count) gives
 every target token the same weight, however the tokens fall into batches and ranks.
 """
+import math
 from typing import Iterable, NamedTuple
 
 import numpy as np
@@ -25,7 +28,7 @@ from ..optim import clip_grad_norm, scale_gradients
 class StepResult(NamedTuple):
     loss_sum: float  # summed (label-smoothed) loss over the update's target tokens, all ranks
     tokens: int      # target tokens, all ranks
-    applied: bool    # False when float16 gradients overflowed and Adam did not step
+    applied: bool    # False when the loss or the gradients were not finite: no Adam step
 
 
 def train_step(model, optim, batches: Iterable[dict], lr: float, *, scaler=None, comm=None,
@@ -55,8 +58,11 @@ def train_step(model, optim, batches: Iterable[dict], lr: float, *, scaler=None,
                                                flat_grad=optim.flat_grad())
     grads = optim.gradients()  # the flat buffer as one array, while it is one
     # (after the all-reduce, so every rank sees the same inf and decides alike)
-    if not scale_gradients(grads, 1.0 / max(n_tok, 1), scaler):
-        optim.zero_grad()  # float16 gradients overflowed: the update is skipped
+    finite = scale_gradients(grads, 1.0 / max(n_tok, 1), scaler)
+    if scaler is None:  # (float16: a NaN loss overflows the gradients too; the scaler decides)
+        finite = finite and math.isfinite(float(loss_sum))
+    if not finite:
+        optim.zero_grad()  # nothing of this update reaches the parameters
         return StepResult(float(loss_sum), n_tok, False)
     if clip_norm > 0:
         clip_grad_norm(optim.params, clip_norm, grads=grads)

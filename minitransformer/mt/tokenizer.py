@@ -40,12 +40,7 @@ def train_sentencepiece(input_files, model_prefix, vocab_size, model_type="unigr
     through an iterator (its own sampling ignores any seed in 0.2.x), so the model records no
     paths, and the model is written from memory, so it records no model_prefix either.
     """
-    if isinstance(input_files, (str, os.PathLike)):
-        input_files = [input_files]
-    input_files = [os.fspath(p) for p in input_files]
-    for path in input_files:
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: no such file to train the sentencepiece model on")
+    input_files = _training_files(input_files)
     model_prefix = os.fspath(model_prefix)
     if os.path.dirname(model_prefix):
         os.makedirs(os.path.dirname(model_prefix), exist_ok=True)
@@ -60,31 +55,45 @@ def train_sentencepiece(input_files, model_prefix, vocab_size, model_type="unigr
     except RuntimeError as exc:
         if lines.error is not None:  # raised inside our iterator; sentencepiece wraps it
             raise lines.error from None
-        message = str(exc)
-        too_high = re.search(r"Vocabulary size too high \((\d+)\)\. "
-                             r"Please set it to a value <= (\d+)", message)
-        if too_high:
-            raise DataError(f"--vocab-size {vocab_size} is too large for this training text: "
-                            f"sentencepiece can make at most {too_high.group(2)} pieces from "
-                            f"it. Use --vocab-size {too_high.group(2)} or less (or more text)."
-                            ) from None
-        too_low = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)",
-                            message)
-        if too_low:
-            raise DataError(f"--vocab-size {vocab_size} is too small: the text needs "
-                            f"{too_low.group(2)} pieces for its characters and the 4 special "
-                            f"ids. Use --vocab-size {too_low.group(2)} or more).") from None
-        if "sentences_.empty()" in message:
-            raise DataError(f"{', '.join(input_files)}: no text to train the sentencepiece "
-                            "model on") from None
-        raise DataError(f"sentencepiece training on {', '.join(input_files)} failed: "
-                        f"{message}") from None
+        raise _training_error(str(exc), vocab_size, input_files) from None
 
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     atomic_write_text(model_prefix + ".vocab", "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n"
                                                        for i in range(sp.get_piece_size())))
     atomic_write(model_prefix + ".model", lambda f: f.write(model.getvalue()))
     return model_prefix + ".model"
+
+
+def _training_files(input_files):
+    """``input_files`` (one path or several) as a list of str paths; DataError for one that
+    is not a file."""
+    if isinstance(input_files, (str, os.PathLike)):
+        input_files = [input_files]
+    input_files = [os.fspath(p) for p in input_files]
+    for path in input_files:
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such file to train the sentencepiece model on")
+    return input_files
+
+
+def _training_error(message, vocab_size, input_files):
+    """sentencepiece's RuntimeError ``message`` -> a DataError saying what to change."""
+    too_high = re.search(r"Vocabulary size too high \((\d+)\)\. "
+                         r"Please set it to a value <= (\d+)", message)
+    if too_high:
+        return DataError(f"--vocab-size {vocab_size} is too large for this training text: "
+                         f"sentencepiece can make at most {too_high.group(2)} pieces from "
+                         f"it. Use --vocab-size {too_high.group(2)} or less (or more text).")
+    too_low = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)",
+                        message)
+    if too_low:
+        return DataError(f"--vocab-size {vocab_size} is too small: the text needs "
+                         f"{too_low.group(2)} pieces for its characters and the 4 special "
+                         f"ids. Use --vocab-size {too_low.group(2)} or more.")
+    if "sentences_.empty()" in message:
+        return DataError(f"{', '.join(input_files)}: no text to train the sentencepiece "
+                         "model on")
+    return DataError(f"sentencepiece training on {', '.join(input_files)} failed: {message}")
 
 
 class _TrainingLines:

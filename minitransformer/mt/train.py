@@ -21,104 +21,16 @@ from ..engine.tensor import no_grad
 from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
 from ..optim import Adam, DynamicLossScaler, LossScaleCollapse, linear_decay_lr, noam_lr
 from . import checkpoint as ckpt
-from .data import Batches, DataError, collate, read_parallel
-from .fileio import atomic_write_text
+from .data import Batches, DataError, collate, overlong_pairs, read_parallel
+from .fileio import atomic_write_text, describe_os_error
+from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
+from .log import Log, StopSignals
 from .options import (MODEL_FLAGS, check_options, fill_defaults, parse_args,
                       restore_for_resume, run_options)
-from .rundir import RunDir
+from .rundir import RunDir, RunDirBusy
 from .step import train_step
 from .tokenizer import SubwordSampler, Tokenizer, train_sentencepiece
 from .translation import corpus_bleu, translate_lines
-
-
-class Log:
-    """tqdm bar on a terminal, plain lines otherwise; JSONL metrics in the run directory."""
-
-    def __init__(self, path, total, progress, enabled=True, comm=None):
-        self.enabled, self.comm = enabled, comm
-        self.file = open(path, "a", encoding="utf-8") if enabled else None
-        self.bar = None
-        if enabled and progress and sys.stderr.isatty():
-            from tqdm import tqdm
-            self.bar = tqdm(total=total or None, unit="upd", dynamic_ncols=True)
-        # the window a log line averages over: the updates since the previous line
-        self.loss, self.tokens, self.seconds, self.updates = 0.0, 0, 0.0, 0
-        self.allreduce_s = 0.0  # the communicator's all-reduce seconds at the window's start
-
-    def add_update(self, loss_sum, tokens, seconds):
-        """One update (applied or skipped) into the window."""
-        self.loss += loss_sum
-        self.tokens += tokens
-        self.seconds += seconds
-        self.updates += 1
-
-    def update_line(self, update, epoch, lr, train_time, loss_scale=None):
-        """The metrics record and log line of update ``update``, over the window since the
-        previous line: loss and ppl per target token, tokens/s of update time; under mpiexec
-        the all-reduce's and the whole update's seconds per update. Starts a new window."""
-        loss = self.loss / max(self.tokens, 1)
-        rec = {"update": update, "epoch": epoch, "loss": loss, "ppl": math.exp(min(loss, 50)),
-               "lr": lr, "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
-               "time": train_time}
-        if loss_scale is not None:
-            rec["loss_scale"] = loss_scale
-        if self.comm:
-            rec["allreduce_s"] = (self.comm.allreduce_s - self.allreduce_s) / self.updates
-            rec["update_s"] = self.seconds / self.updates
-        self.metrics(rec)
-        text = (f"loss {loss:.3f} ppl {rec['ppl']:.1f} lr {rec['lr']:.2e} "
-                f"tok/s {rec['tokens_per_s']:.0f}")
-        if self.comm:
-            text += (f" allreduce {rec['allreduce_s'] * 1e3:.1f} ms of "
-                     f"{rec['update_s'] * 1e3:.1f} ms/update")
-        if self.bar is not None:
-            self.progress(update, text)
-        else:
-            self.info(f"update {update} epoch {epoch} {text}")
-        self.loss, self.tokens, self.seconds, self.updates = 0.0, 0, 0.0, 0
-        self.allreduce_s = self.comm.allreduce_s if self.comm else 0.0
-
-    def metrics(self, record):
-        if self.enabled:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-    def info(self, text):
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, flush=True)
-
-    def progress(self, n, postfix):
-        if self.bar is not None:
-            self.bar.n = n
-            self.bar.set_postfix_str(postfix, refresh=True)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-        if self.file:
-            self.file.close()
-
-
-class StopSignals:
-    """Within ``with StopSignals() as stop:`` SIGINT and SIGTERM set ``stop.signum`` instead
-    of ending the process, so the loop can finish its update and save."""
-
-    def __enter__(self):
-        self.signum = None
-        self._saved = {s: signal.signal(s, self._on_signal)
-                       for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _on_signal(self, signum, frame):
-        self.signum = signum
-
-    def __exit__(self, *exc):
-        for s, handler in self._saved.items():
-            signal.signal(s, handler)
 
 
 # Where --precision float16 may run. NumPy has no float16 matrix product that accumulates in
@@ -137,6 +49,10 @@ class Trainer:
         self.world = comm.size if comm else 1
         self.main = self.rank == 0
         device = args.device or backend.default_device()
+        try:
+            backend.get_xp(device)
+        except (RuntimeError, ValueError) as exc:
+            raise SystemExit(f"error: --device {device}: {exc}") from None
         if comm is not None:  # this rank's GPU (by local rank) and NCCL, or the CPU and MPI
             device = comm.init_device(device)
         self.device = device
@@ -145,19 +61,35 @@ class Trainer:
                              f"device is {device}, where NumPy's float16 matrix products are "
                              "slow and round every partial sum to float16: use float32 here")
         self.rd = RunDir(args.run_dir)
+        try:
+            self._set_up()
+        except BaseException:
+            self.rd.unlock()
+            raise
+
+    def _set_up(self):
+        args = self.args
         self._open_run_dir()
         fill_defaults(args)
         check_options(args)
         self._prepare_data()
         self.cfg = self._model_config()
+        self._prepare_valid()
         if self.main and not args.resume:
             self.rd.write_config(dataclasses.asdict(self.cfg), run_options(args))
         self._build_model()
 
     def _open_run_dir(self):
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
-        fill in those this command line does not give). Nothing in it is overwritten."""
+        fill in those this command line does not give). Nothing in it is overwritten.
+        Rank 0 holds the directory's lock for the life of the process (RunDir.lock)."""
         os.makedirs(self.rd.path, exist_ok=True)
+        if self.main:
+            self.rd.lock()  # RunDirBusy while another run trains here
+            removed = self.rd.remove_stale_temporaries()
+            if removed:
+                self._log_early(f"removed {len(removed)} temporary file(s) left by an "
+                                f"interrupted save: {', '.join(removed)}")
         if self.args.resume:
             if not self.rd.holds_run() or not os.path.exists(self.rd.config):
                 raise SystemExit(f"error: --resume: no checkpoint_last.npz and config.json in "
@@ -180,8 +112,13 @@ class Trainer:
         self.optim = Adam(self.params, lr=0.0, betas=tuple(a.adam_betas), eps=a.adam_eps)
         self.update, self.best_bleu = 0, -1.0
         self.train_time = 0.0
+        self.guard = DivergenceGuard(a.max_bad_updates)  # float32 (float16: the scaler)
+        self.saved_update = None  # the update of the newest checkpoint
         if a.resume:
             self._load(self.rd.last)
+            self.saved_update = self.update
+            if self.main:  # the log lines of updates after the checkpoint come again
+                self.rd.trim_metrics(self.update)
         if self.comm is not None:
             self.comm.broadcast_params(self.params)
 
@@ -213,12 +150,33 @@ class Trainer:
         self._log_early(f"train: {stats['pairs']} pairs from {self.files[a.train_split][0]}, "
                         f"{stats['skipped_empty']} empty skipped, {self.batches.dropped} longer "
                         f"than --max-len {a.max_len} dropped, {len(self.batches)} batches/epoch")
+
+    def _prepare_valid(self):
+        """The validation set (when its files exist), without the pairs longer than the
+        model's positions (counted in the log, as training pairs are)."""
+        a, limit = self.args, self.cfg.max_positions
+        if a.max_len > limit:
+            raise SystemExit(f"error: --max-len {a.max_len} is more than the model's positions "
+                             f"(max_positions {limit}): lower --max-len to {limit} or less, or "
+                             "raise --max-positions (a new run)")
         self.valid = None
-        if a.valid_split in self.files and os.path.exists(self.files[a.valid_split][0]):
-            vs, vt, _ = read_parallel(*self.files[a.valid_split])
-            self.valid = (vs, vt)
-            self.valid_batches = Batches(self.tok.encode(vs), self.tok.encode(vt), a.max_tokens,
-                                         max_len=10 ** 9, seed=0, shuffle=False)
+        if a.valid_split not in self.files or not os.path.exists(self.files[a.valid_split][0]):
+            return
+        vs, vt, _ = read_parallel(*self.files[a.valid_split])
+        src_ids, tgt_ids = self.tok.encode(vs), self.tok.encode(vt)
+        drop = set(overlong_pairs(src_ids, tgt_ids, limit))
+        if drop:
+            self._log_early(f"valid: {len(drop)} of {len(vs)} pairs longer than the model's "
+                            f"{limit} positions left out ({self.files[a.valid_split][0]}, "
+                            f"first at line {min(drop) + 1})")
+            keep = [i for i in range(len(vs)) if i not in drop]
+            vs, vt = [vs[i] for i in keep], [vt[i] for i in keep]
+            src_ids, tgt_ids = [src_ids[i] for i in keep], [tgt_ids[i] for i in keep]
+        if not vs:
+            return
+        self.valid = (vs, vt)
+        self.valid_batches = Batches(src_ids, tgt_ids, a.max_tokens, max_len=limit, seed=0,
+                                     shuffle=False)
 
     def _find_corpus(self):
         """``self.files``: split -> (source, target) paths, in --data or, without it, in the
@@ -273,10 +231,15 @@ class Trainer:
         return meta
 
     def save(self, path):
-        """The whole training state into checkpoint ``path`` (rank 0 only)."""
+        """The whole training state into checkpoint ``path`` (rank 0 only); never a model
+        whose parameters are not finite (-> Diverged, nothing written)."""
         if not self.main:
             return
+        if not all_finite(self.params):
+            raise Diverged(f"the parameters are not finite at update {self.update}; {path} was "
+                           "not written (the checkpoints saved before are as they were)")
         ckpt.save_checkpoint(path, self.model, self.optim, self._meta())
+        self.saved_update = self.update
         return path
 
     def _load(self, path):
@@ -305,21 +268,39 @@ class Trainer:
         gradients overflowed is skipped: ``self.update`` does not advance."""
         if self.comm:  # each rank its own dropout masks, a function of (seed, rank, update)
             self.model.rng.seed(self.comm.dropout_seed(self.args.seed, self.update))
-        result = train_step(self.model, self.optim, self._update_batches(),
+        rng_state, batches = self.model.rng.get_state(), []
+        result = train_step(self.model, self.optim, self._update_batches(batches),
                             self.lr_at(self.update + 1), scaler=self.scaler, comm=self.comm,
                             clip_norm=self.args.clip_norm)
         if result.applied:
             self.update += 1
+        if self.scaler is None and self.guard.record(result.applied):
+            raise Diverged(self._divergence_report(batches, rng_state))
         return result.loss_sum, result.tokens
 
-    def _update_batches(self):
-        """The update's batches, collated, one at a time (this rank's rows under mpiexec)."""
+    def _update_batches(self, kept):
+        """The update's batches, collated, one at a time (this rank's rows under mpiexec);
+        each is also appended to ``kept`` (the guard replays them)."""
         for _ in range(self.args.update_freq):
             batch = next(self.batch_iter)
             if self.comm:
                 batch = self.comm.shard(batch)
             if batch:
-                yield collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id)
+                kept.append(collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id))
+                yield kept[-1]
+
+    def _divergence_report(self, batches, rng_state):
+        """Why training stops: the update, and the first op that made a NaN or an Inf."""
+        where = first_bad_op(self.model, self.optim, batches, rng_state)
+        saved = (f"the checkpoints in {self.rd.path} are as saved at update "
+                 f"{self.saved_update}" if self.saved_update is not None
+                 else f"no checkpoint was written in {self.rd.path}")
+        return (f"training diverged: {self.guard.bad_in_a_row} updates in a row had a loss or "
+                f"gradient that is not finite (--max-bad-updates {self.args.max_bad_updates}); "
+                f"each was skipped. Update {self.update + 1}: {where}. Nothing of it reached "
+                f"the parameters or a checkpoint: {saved}. Lower --lr-factor, lengthen "
+                "--warmup or set --clip-norm, then start a new --run-dir, or --resume with the "
+                "new flags")
 
     def validate(self):
         """Validation loss per token (no dropout) and greedy BLEU on the first N sentences."""
@@ -349,6 +330,7 @@ class Trainer:
                      f"{json.dumps(dataclasses.asdict(self.cfg))}")
             self.batch_iter = iter(self.batches)
             reason = self._loop(log, stop)
+        self.stopped_by = stop.signum
         if stop.signum is not None:
             self.save(self.rd.last)
             log.info(f"{signal.Signals(stop.signum).name}: stopped at update {self.update}; "
@@ -375,9 +357,13 @@ class Trainer:
             loss_sum, n_tok = self.train_update()
             log.add_update(loss_sum, n_tok, time.perf_counter() - t0)  # update time only
             self.train_time = time.perf_counter() - start
-            if self.update == before:  # float16: gradients overflowed, update skipped
+            if self.update == before and self.scaler is not None:  # an overflow: skipped
                 log.info(f"update {self.update + 1}: float16 gradients overflowed; update "
                          f"skipped, loss scale now {self.scaler.scale:g}")
+            elif self.update == before:
+                log.info(f"update {self.update + 1}: the loss or gradient is not finite; "
+                         f"update skipped ({self.guard.bad_in_a_row} in a row, the run stops at "
+                         f"--max-bad-updates {self.args.max_bad_updates})")
             if stop.signum is not None and not self.comm:  # (ranks: at the loop's top)
                 return None
             if self.update != before:
@@ -415,6 +401,10 @@ class Trainer:
 
     def _validate_and_save(self, log):
         loss, bleu = self.validate() if self.main else (0.0, 0.0)
+        if not math.isfinite(loss):  # a model that is finite but broken: keep what was saved
+            raise Diverged(f"the validation loss at update {self.update} is {loss}; no "
+                           f"checkpoint was written for it (those in {self.rd.path} are as "
+                           "saved before)")
         rec = {"update": self.update, "valid_loss": loss, "valid_ppl": math.exp(min(loss, 50)),
                "valid_bleu": bleu, "time": self.train_time}
         log.metrics(rec)
@@ -441,8 +431,15 @@ class Trainer:
         what = os.path.basename(what) if what.endswith(".npz") else what
         self.model.load_state_dict(params)
         t0 = time.perf_counter()
+        long = []  # (line index, tokens, kept) of the sources longer than the model's positions
         hyps = translate_lines(self.model, self.tok, src, beam=a.beam, alpha=a.alpha,
-                               max_tokens=a.max_tokens)
+                               max_tokens=a.max_tokens, on_truncate=lambda *t: long.append(t))
+        if long:
+            print(f"test: {len(long)} of {len(src)} sources longer than the model's positions "
+                  f"were translated from their first {long[0][2]} tokens "
+                  f"({self.files[split][0]}, lines "
+                  f"{', '.join(str(i + 1) for i, _, _ in long[:10])}"
+                  f"{' ...' if len(long) > 10 else ''})", flush=True)
         bleu, sig = corpus_bleu(hyps, ref)
         out = self.rd.hypotheses(split)
         atomic_write_text(out, "".join(h + "\n" for h in hyps))
@@ -452,17 +449,50 @@ class Trainer:
 
 
 def main(argv=None, comm=None):
+    """train.py. Exit status: 0 trained (and tested), 2 a mistake in the flags, files or
+    data (refusals of flags and run directories raise SystemExit with the message; ``cli``
+    turns them into 2 as well), 3 training diverged, 128 + N stopped by signal N (130
+    Ctrl-C, 143 SIGTERM: the state is saved, --resume continues)."""
     args = parse_args(argv)
+    trainer = None
     try:
         trainer = Trainer(args, comm)
-        finished = trainer.run()
-        if finished and trainer.main:
+        if not trainer.run():
+            return 128 + trainer.stopped_by
+        if trainer.main:
             trainer.test()
-    except (DataError, ckpt.CheckpointError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (DataError, ckpt.CheckpointError, RunDirBusy, ValueError) as exc:
+        return _fail(str(exc), 2)
+    except OSError as exc:
+        return _fail(describe_os_error(exc), 2)
     except LossScaleCollapse as exc:
-        print(f"error: update {trainer.update + 1}: {exc}. The checkpoints in {args.run_dir} are "
-              "as the last validation or --save-every left them.", file=sys.stderr)
-        return 3
+        return _fail(f"update {trainer.update + 1}: {exc}. The checkpoints in {args.run_dir} "
+                     "are as the last validation or --save-every left them.", 3)
+    except Diverged as exc:
+        return _fail(str(exc), 3)
+    except KeyboardInterrupt:
+        stage = "while setting up the run" if trainer is None else "while scoring the test set"
+        return _fail(f"interrupted {stage}; what was saved in {args.run_dir} is intact (run "
+                     "the same command again; after training, --resume continues)", 130)
+    finally:
+        if trainer is not None:
+            trainer.rd.unlock()
     return 0
+
+
+def cli(argv=None, comm=None):
+    """train.py's entry point: ``main``, with a refusal raised as SystemExit("error: ...")
+    (a flag, a config file or a run directory that cannot work) printed on stderr and
+    given exit status 2, as argparse gives its own."""
+    try:
+        return main(argv, comm)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr)
+        return 2
+
+
+def _fail(message, status):
+    print(f"error: {message}", file=sys.stderr)
+    return status

@@ -4,17 +4,28 @@
     echo "the small dog sees a cat" | python translate.py --run-dir runs/default
     python translate.py --run-dir runs/ende --input test2016.en --reference test2016.de \\
         --average-last 5
+
+Every input line gives one output line (an empty line an empty one). A line longer than the
+model's positions is translated from its first pieces, with a warning naming the line.
 """
 import argparse
+import os
+import signal
 import sys
 
 from .. import backend
 from ..nn.transformer import Transformer, TransformerConfig
 from . import checkpoint as ckpt
 from .data import DataError, read_lines
+from .ranges import add_number
 from .rundir import RunDir
 from .tokenizer import Tokenizer
-from .translation import corpus_bleu, translate_lines
+from .translation import corpus_bleu, max_source_tokens, translate_lines
+
+USER_ERROR = 2     # a flag, a file or the run directory is wrong: the message says what to do
+MACHINE_ERROR = 1  # the machine could not finish: out of memory, output not writable
+INTERRUPTED = 128 + signal.SIGINT    # 130, as a shell reports a Ctrl-C
+BROKEN_PIPE = 128 + signal.SIGPIPE   # 141, as a shell reports `... | head`
 
 
 def build_parser():
@@ -25,15 +36,20 @@ def build_parser():
     p.add_argument("--checkpoint", nargs="+", default=None,
                    help="checkpoint file(s); several are averaged (default: the run's best, "
                         "else last)")
-    p.add_argument("--average-last", type=int, default=0,
-                   help="average the run's last N periodic checkpoints (the paper uses 5)")
-    p.add_argument("--input", default="-", help="text file, one sentence per line ('-' = stdin)")
-    p.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy")
-    p.add_argument("--alpha", type=float, default=0.6, help="GNMT length penalty exponent")
-    p.add_argument("--length-penalty", default="gnmt", choices=["gnmt", "power"])
-    p.add_argument("--max-len-a", type=int, default=50,
-                   help="maximum output length = source length + this")
-    p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch")
+    add_number(p, "--average-last", int, ">= 0", default=0,
+               help="average the run's last N periodic checkpoints (the paper uses 5; "
+                    "0 = don't)")
+    p.add_argument("--input", default="-", help="text file, one sentence per line "
+                                                "(default '-' = stdin)")
+    add_number(p, "--beam", int, ">= 1", default=4, help="beam size; 1 = greedy")
+    add_number(p, "--alpha", float, ">= 0", default=0.6, help="GNMT length penalty exponent")
+    p.add_argument("--length-penalty", default="gnmt", choices=["gnmt", "power"],
+                   help="gnmt: ((5 + length) / 6) ** alpha; power: length ** alpha "
+                        "(default gnmt)")
+    add_number(p, "--max-len-a", int, ">= 0", default=50,
+               help="maximum output length = source length + this (never more than the "
+                    "model's positions allow)")
+    add_number(p, "--max-tokens", int, ">= 1", default=4096, help="source tokens per batch")
     p.add_argument("--reference", help="reference file: print sacreBLEU and its signature "
                                        "to stderr")
     p.add_argument("--plot-attention", metavar="DIR",
@@ -43,58 +59,273 @@ def build_parser():
     return p
 
 
+class UsageError(Exception):
+    """A mistake in the command line or its files: one line for the user, exit code 2."""
+
+
 def load_model(run_dir, checkpoints=None, average_last=0, device="cpu"):
     """-> (model, tokenizer, description) from a run directory: the given checkpoint(s), or
-    the run's choice (RunDir.choose_checkpoints); several are averaged."""
+    the run's choice (RunDir.choose_checkpoints); several are averaged.
+
+    Raises ckpt.CheckpointError (a checkpoint missing, damaged or not the run's), DataError
+    (spm.model unreadable) or RuntimeError / ValueError (``device`` unusable)."""
     rd = RunDir(run_dir)
     rd.require_spm_model()
     if average_last or not checkpoints:  # (--average-last wins over --checkpoint)
         checkpoints = rd.choose_checkpoints(average_last)
-    params, meta, what = rd.load_params(checkpoints)
+    for c in checkpoints:
+        if os.path.isfile(c):  # (a missing one: load_params says so)
+            check_npz(c)
+    try:
+        params, meta, what = rd.load_params(checkpoints)
+        config = TransformerConfig.from_dict(meta["config"])
+    except ckpt.CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:  # meta unreadable or without a config
+        raise ckpt.CheckpointError(f"checkpoint {', '.join(checkpoints)} has no usable model "
+                                   f"config ({type(exc).__name__}: {exc}); it is damaged or "
+                                   "not a minitransformer checkpoint") from None
     tok = Tokenizer(rd.spm_model)
     rd.check_vocabulary(checkpoints[0], meta, tok.vocab_size)
-    model = Transformer(TransformerConfig.from_dict(meta["config"]), device=device)
-    model.load_state_dict(params)
+    model = Transformer(config, device=device)
+    try:
+        model.load_state_dict(params)
+    except (KeyError, ValueError) as exc:
+        raise ckpt.CheckpointError(f"checkpoint {what}: its parameters do not fit its model "
+                                   f"config ({str(exc).strip(chr(34))}); it is damaged or "
+                                   "not a minitransformer checkpoint") from None
     model.eval()
     return model, tok, what
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    device = args.device or backend.default_device()
+# ----------------------------------------------------------------------------- checks
+
+def check_npz(path):
+    """Raise CheckpointError (its message starting with ``path``) unless ``path`` starts like
+    the zip archive every .npz checkpoint is (a clearer message than NumPy's for a file
+    that is not one)."""
     try:
-        model, tok, what = load_model(args.run_dir, args.checkpoint, args.average_last, device)
-    except (ckpt.CheckpointError, KeyError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise ckpt.CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if head != b"PK\x03\x04":
+        raise ckpt.CheckpointError(f"{path}: not an .npz checkpoint (damaged, or another kind "
+                                   "of file); use a checkpoint_*.npz file that train.py wrote "
+                                   "(--checkpoint FILE)")
+
+
+def check_device(device):
+    """-> the array module for ``device``; UsageError naming --device when it cannot run."""
     try:
-        lines = read_lines(args.input)
-        refs = read_lines(args.reference) if args.reference else None
+        return backend.get_xp(device)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(f"--device {device}: {exc}") from None
+
+
+def check_run_dir(args):
+    """Refuse a --run-dir or --checkpoint that cannot be translated with, before any work."""
+    path = args.run_dir
+    if not os.path.exists(path):
+        raise UsageError(f"--run-dir {path}: no such directory; give the directory train.py "
+                         "wrote (its --run-dir)")
+    if not os.path.isdir(path):
+        raise UsageError(f"--run-dir {path}: not a directory; give the directory train.py "
+                         "wrote (its --run-dir), and a checkpoint file with --checkpoint")
+    rd = RunDir(path)
+    if not os.path.isfile(rd.spm_model):
+        raise UsageError(f"--run-dir {path}: no spm.model; is it a training run directory? "
+                         "(train.py writes spm.model there before the first update)")
+    if args.average_last:
+        if not rd.periodic_checkpoints():
+            raise UsageError(f"--average-last {args.average_last}: no checkpoint_<update>.npz "
+                             f"in {path}; train with --save-every, or leave out --average-last")
+    elif args.checkpoint:
+        for c in args.checkpoint:
+            if not os.path.exists(c):
+                raise UsageError(f"--checkpoint {c}: no such file; check the path")
+            if not os.path.isfile(c):
+                raise UsageError(f"--checkpoint {c}: not a file; give a checkpoint_*.npz file")
+            try:
+                check_npz(c)
+            except ckpt.CheckpointError as exc:
+                raise UsageError(f"--checkpoint {exc}") from None
+    elif not (os.path.isfile(rd.best) or os.path.isfile(rd.last)):
+        raise UsageError(f"--run-dir {path}: no checkpoint_best.npz or checkpoint_last.npz; "
+                         "train first (or wait for the first save), or give --checkpoint FILE")
+
+
+def check_plot_dir(path):
+    """Make sure heatmaps can be written into ``path`` (created if missing) before any work."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--plot-attention {path}: exists and is not a directory; give a "
+                         "directory (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--plot-attention {path}: cannot create the directory "
+                         f"({exc.strerror or exc}); give a directory you can write to") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--plot-attention {path}: the directory is not writable; give a "
+                         "directory you can write to")
+
+
+def read_text(flag, path):
+    """read_lines, its DataError as a UsageError naming ``flag``."""
+    try:
+        return read_lines(path)
     except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+def _stdout_to_devnull():
+    """Point file descriptor 1 at /dev/null, so that Python's flush at exit of what is left
+    in sys.stdout's buffer cannot fail again (a broken pipe, a full disk)."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture)
+        pass
+
+
+def _say(message):
+    """One line on stderr; nothing when stderr is closed (the exit code says the rest)."""
+    if sys.stderr is None:  # (print(file=None) would write to stdout, into the output)
+        return
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _error(message):
+    _say(f"error: {message}")
+
+
+# ----------------------------------------------------------------------------- main
+
+def translate(args):
+    """The work of main (everything after parsing) -> exit code; raises UsageError."""
+    if sys.stdout is None:
+        raise UsageError("standard output is closed; the translations are written there: "
+                         "redirect it to a file, e.g. `> out.txt`")
+    device = args.device or backend.default_device()
+    lines, refs = _check_and_read(args, device)
+    model, tok, what = _load_for_translation(args, device)
     if args.plot_attention:
-        from .plots import PlotError, plot_attention
-        try:
-            written = plot_attention(model, tok, [line for line in lines if line.strip()],
-                                     args.plot_attention, max_len_a=args.max_len_a)
-        except PlotError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(f"wrote {len(written)} attention heatmaps to {args.plot_attention}",
-              file=sys.stderr)
-    hyps = translate_lines(model, tok, lines, beam=args.beam, alpha=args.alpha,
-                           max_len_a=args.max_len_a, max_tokens=args.max_tokens,
-                           length_penalty=args.length_penalty)
-    out = sys.stdout
-    for h in hyps:
-        out.write(h + "\n")
-    out.flush()
-    if args.reference:
-        if len(refs) != len(hyps):
-            print(f"error: --reference {args.reference} has {len(refs)} lines, the input has "
-                  f"{len(hyps)}", file=sys.stderr)
-            return 2
+        _plot_inputs(args, model, tok, lines)
+    warn = _truncation_warning(_input_name(args), model.cfg)
+    hyps = translate_lines(model, tok, lines, on_truncate=warn, beam=args.beam,
+                           alpha=args.alpha, max_len_a=args.max_len_a,
+                           max_tokens=args.max_tokens, length_penalty=args.length_penalty)
+    if not _write_translations(hyps):
+        return MACHINE_ERROR
+    if refs is not None:
         bleu, sig = corpus_bleu(hyps, refs)
-        print(f"BLEU = {bleu:.2f}  ({what}, beam {args.beam})  {sig}", file=sys.stderr)
+        _say(f"BLEU = {bleu:.2f}  ({what}, beam {args.beam})  {sig}")
     return 0
+
+
+def _input_name(args):
+    """--input as messages name it."""
+    return "<stdin>" if args.input == "-" else args.input
+
+
+def _check_and_read(args, device):
+    """Refuse an unusable device, run directory or --plot-attention directory, then read the
+    input and the reference, which must be aligned line by line. -> (lines, refs or None)."""
+    check_device(device)
+    check_run_dir(args)
+    if args.plot_attention:
+        check_plot_dir(args.plot_attention)
+    lines = read_text("--input", args.input)
+    refs = read_text("--reference", args.reference) if args.reference else None
+    if refs is not None and len(refs) != len(lines):
+        raise UsageError(f"--reference {args.reference} has {len(refs)} lines, the input "
+                         f"{_input_name(args)} has {len(lines)}; "
+                         "they must be aligned line by line")
+    return lines, refs
+
+
+def _load_for_translation(args, device):
+    """load_model with the command line's run and checkpoints, its errors as UsageErrors."""
+    try:
+        return load_model(args.run_dir, args.checkpoint, args.average_last, device)
+    except (ckpt.CheckpointError, DataError) as exc:
+        raise UsageError(str(exc)) from None
+    except (RuntimeError, ValueError) as exc:  # the device, or a config the model refuses
+        raise UsageError(f"loading {args.run_dir} on --device {device}: {exc}") from None
+
+
+def _truncation_warning(name, cfg):
+    """-> the on_truncate of translate_lines: a warning naming the input line that was cut."""
+    def warn(index, n_tokens, n_kept):
+        _say(f"warning: {name}, line {index + 1}: {n_tokens} tokens, more than the "
+             f"{n_kept} the model can attend to (max_positions {cfg.max_positions}, "
+             f"less EOS); translating the first {n_kept}, the rest is dropped")
+    return warn
+
+
+def _plot_inputs(args, model, tok, lines):
+    """--plot-attention: heatmaps of the non-empty input lines that fit the model's source
+    positions (the others are left out, and counted)."""
+    from .plots import PlotError, plot_attention
+    limit = max_source_tokens(model.cfg)
+    candidates = [line for line in lines if line.strip()]
+    fits = [line for line, ids in zip(candidates, tok.encode(candidates))
+            if len(ids) <= limit]
+    if len(fits) < len(candidates):
+        _say(f"--plot-attention: leaving out {len(candidates) - len(fits)} line(s) longer "
+             f"than the model's {limit} source positions")
+    try:
+        written = plot_attention(model, tok, fits, args.plot_attention,
+                                 max_len_a=args.max_len_a)
+    except PlotError as exc:
+        raise UsageError(f"--plot-attention: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"--plot-attention {args.plot_attention}: cannot write the "
+                         f"heatmaps ({exc.strerror or exc}); give a directory you can "
+                         "write to") from None
+    _say(f"wrote {len(written)} attention heatmaps to {args.plot_attention}")
+
+
+def _write_translations(hyps):
+    """Write ``hyps`` to standard output, one a line. -> False (after an error line) when it
+    cannot take them; a BrokenPipeError is left to main."""
+    try:
+        out = sys.stdout
+        for h in hyps:
+            out.write(h + "\n")
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        _stdout_to_devnull()
+        _error(f"cannot write the translations to standard output ({exc.strerror or exc}); "
+               "redirect it to a file with room, e.g. `> out.txt`")
+        return False
+    return True
+
+
+def main(argv=None):
+    """-> exit code: 0, 2 for a mistake in the flags or files (one `error:` line on stderr
+    saying what to do), 1 when the machine could not finish, 130 on Ctrl-C, 141 when the
+    reader of stdout went away (`translate.py ... | head -1`)."""
+    args = None
+    try:
+        args = build_parser().parse_args(argv)
+        return translate(args)
+    except UsageError as exc:
+        _error(str(exc))
+        return USER_ERROR
+    except MemoryError:  # NumPy's, or CuPy's OutOfMemoryError (a MemoryError)
+        _error(f"out of memory; lower --max-tokens (now {args.max_tokens}) or --beam (now "
+               f"{args.beam}), or translate on another device" if args else "out of memory")
+        return MACHINE_ERROR
+    except BrokenPipeError:  # the reader of our output is gone: stop quietly, as `cat` does
+        _stdout_to_devnull()
+        return BROKEN_PIPE
+    except KeyboardInterrupt:
+        _error("interrupted (Ctrl-C) before the translation finished")
+        return INTERRUPTED

@@ -64,16 +64,20 @@ def clip_grad_norm(params, max_norm, grads=None):
 def scale_gradients(grads, multiplier, scaler=None):
     """After backward (and the all-reduce): every gradient array *= ``multiplier`` (1 / the
     target tokens), in place. With a loss scaler (float16) they are divided by its scale too,
-    checked, and the scale adjusted. -> whether they are finite (an update to skip if not).
+    and the scale adjusted. -> whether they are finite (an update to skip if not), by the
+    loss scaler's test: the sum of g . g over the arrays, one wait on a GPU.
     ``grads``: arrays, None entries skipped (``Adam.gradients()``: one flat one when it can)."""
     if scaler is not None:
         finite = scaler.unscale_(grads, multiplier)
         scaler.update(finite)  # LossScaleCollapse when S falls below its minimum
         return finite
+    total = 0.0
     for g in grads:
         if g is not None:
             g *= g.dtype.type(multiplier)
-    return True
+            flat = g.ravel()
+            total = total + flat @ flat
+    return math.isfinite(float(total))
 
 
 FLAT_CHUNK = 1 << 20  # elements per NumPy pass over the flat buffers (temporaries stay small)

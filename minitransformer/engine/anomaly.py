@@ -1,0 +1,79 @@
+"""Anomaly mode: find the first op that makes a NaN or an Inf.
+
+    from minitransformer.engine import detect_anomaly
+    with detect_anomaly():
+        loss = model(...)          # each op's output is checked right after its forward
+        loss.backward()            # each op's input gradients right after its backward
+
+Inside the block every Function's result is checked with ``isfinite``; the first one that
+holds a NaN or an Inf raises :class:`AnomalyError`, naming the Function, forward or backward,
+and the shapes and dtypes of what it was given (and whether that was already non-finite, in
+which case the values came from outside the tape: a parameter or the data). It costs one
+pass over every array and, on a GPU, a wait per op, so it is for finding a fault, not for
+training: train.py turns it on only to replay a batch whose loss or gradient was not finite.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from .. import backend
+
+_enabled = False
+
+
+class AnomalyError(FloatingPointError):
+    """A NaN or Inf appeared; ``op`` (the Function's class name), ``phase`` ("forward" or
+    "backward") and ``shapes`` (of its inputs) say where; the message says it in words."""
+
+    def __init__(self, message, op, phase, shapes):
+        super().__init__(message)
+        self.op, self.phase, self.shapes = op, phase, shapes
+
+
+@contextlib.contextmanager
+def detect_anomaly():
+    """Within the block, every op's forward output and backward gradients are checked."""
+    global _enabled
+    previous, _enabled = _enabled, True
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def enabled():
+    return _enabled
+
+
+def _finite(a):
+    if a is None or not hasattr(a, "dtype") or a.dtype.kind not in "fc":
+        return True
+    return bool(backend.get_array_module(a).isfinite(a).all())
+
+
+def _describe(arrays):
+    return ", ".join(f"{tuple(a.shape)} {a.dtype}" if hasattr(a, "shape") else repr(a)
+                     for a in arrays)
+
+
+def _raise(fn, phase, given, what):
+    name = type(fn).__name__
+    shapes = [tuple(a.shape) for a in given if hasattr(a, "shape")]
+    if all(_finite(a) for a in given):
+        origin = f"{name} {phase} made {what} from finite values"
+    else:
+        origin = (f"{name} {phase} was given non-finite values (from outside the tape: a "
+                  f"parameter or the data), and its {what} is not finite")
+    raise AnomalyError(f"{origin}; it was given {_describe(given)}", name, phase, shapes)
+
+
+def check_forward(fn, inputs, output):
+    """After ``fn.forward(*inputs)`` returned ``output`` (raw arrays)."""
+    if not _finite(output):
+        _raise(fn, "forward", inputs, "a NaN or Inf output")
+
+
+def check_backward(fn, grad_out, grads_in):
+    """After ``fn.backward(grad_out)`` returned ``grads_in`` (raw arrays or None)."""
+    if not all(_finite(g) for g in grads_in):
+        _raise(fn, "backward", [grad_out], "a NaN or Inf input gradient")

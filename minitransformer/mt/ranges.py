@@ -1,0 +1,81 @@
+"""Numeric flags with their valid ranges, checked when the command line is parsed.
+
+``add_number(group, "--warmup", int, ">= 1", default=4000, help=...)`` declares a flag whose
+value argparse converts and checks (the range is appended to its ``--help`` text, with the
+default), and records the range so that values from a config file, which argparse does not
+convert, are checked the same way by ``check_ranges(parser, options, source)``. A bad value
+is refused with the flag, the range and the value::
+
+    train.py: error: argument --warmup: must be an integer >= 1, got '0'
+"""
+import argparse
+import math
+
+RANGE_ATTR = "valid_range"  # set on the argparse action: (kind, text), for check_ranges
+
+
+def _predicate(text):
+    """'>= 1', '> 0', '[0, 1)', '[0, 1]', 'any' -> (test, description)."""
+    if text == "any":
+        return (lambda v: True), "a number"
+    if text.startswith("["):
+        lo, hi = (float(s) for s in text[1:-1].split(","))
+        closed = text.endswith("]")
+        return ((lambda v: lo <= v <= hi) if closed else (lambda v: lo <= v < hi)), f"in {text}"
+    op, bound = text.split()
+    bound = float(bound)
+    tests = {">=": lambda v: v >= bound, ">": lambda v: v > bound}
+    return tests[op], f"{op} {bound:g}"
+
+
+def number(kind, valid):
+    """An argparse ``type``: converts to ``kind`` (int or float), then checks ``valid``."""
+    test, where = _predicate(valid)
+    noun = "an integer" if kind is int else "a number"
+
+    def convert(text):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be {noun} {where}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number {where}, got {text!r}")
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {noun} {where}, got {text!r}")
+        return value
+    convert.__name__ = f"{kind.__name__} {where}"
+    return convert
+
+
+def add_number(group, flag, kind, valid, help=None, **kw):
+    """``group.add_argument(flag, type=number(kind, valid), ...)``, the range and the default
+    in the help text."""
+    extra = [] if valid == "any" else [_predicate(valid)[1]]
+    if kw.get("default") is not None and kw.get("nargs") is None:
+        extra.append(f"default {kw['default']:g}" if isinstance(kw["default"], float)
+                     else f"default {kw['default']}")
+    text = (help + " " if help else "") + (f"({'; '.join(extra)})" if extra else "")
+    action = group.add_argument(flag, type=number(kind, valid), help=text or None, **kw)
+    setattr(action, RANGE_ATTR, (kind, valid))
+    return action
+
+
+def check_ranges(parser, options, source):
+    """Check numeric options that do not come through argparse's conversion (a config file's
+    values), ``options`` a dict {dest: value}: -> raises SystemExit naming the option,
+    ``source`` and the range. None values (unset, filled in later) pass."""
+    for action in parser._actions:
+        kind, valid = getattr(action, RANGE_ATTR, (None, None))
+        value = options.get(action.dest)
+        if kind is None or value is None:
+            continue
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            ok_type = isinstance(v, (int, float)) and not isinstance(v, bool) and \
+                (kind is float or float(v).is_integer())
+            text = (str(int(v)) if kind is int else str(v)) if ok_type else repr(v)
+            try:
+                number(kind, valid)(text)
+            except argparse.ArgumentTypeError as exc:
+                flag = action.option_strings[0]
+                raise SystemExit(f"error: {source}: {action.dest} ({flag}) {exc}") from None

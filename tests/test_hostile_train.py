@@ -1,0 +1,402 @@
+"""train.py against a hostile user and a hostile machine, at the command line.
+
+Every case runs train.py in a subprocess and asserts: the exit status, that stderr holds no
+traceback, that the message names the flag, file or line at fault, and that the files of the
+run directory involved are unchanged (or, where the run goes on, still load). Cases that
+need a trained run copy one trained once for the module.
+"""
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from minitransformer.mt import checkpoint as ckpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "train.py")
+SMALL = ["--synthetic-pairs", "600", "--d-model", "16", "--n-heads", "2", "--d-ff", "32",
+         "--n-layers", "1", "--max-tokens", "400", "--vocab-size", "100", "--no-progress",
+         "--log-every", "2", "--warmup", "20", "--valid-bleu-sentences", "5", "--test-split",
+         ""]
+
+
+def train(*args, timeout=240, env=None, cwd=ROOT):
+    return subprocess.run([sys.executable, TRAIN, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def python(code, timeout=240):
+    """Run ``code`` (which calls train.py's main) in a fresh interpreter, as train.py would."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def digest(directory, skip=("train.lock",)):
+    """{name: sha256} of the files directly in ``directory`` (not data/, not ``skip``)."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path) and name not in skip:
+            with open(path, "rb") as fh:
+                out[name] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def clean_failure(proc, status, *names):
+    """Exit ``status``, no traceback, every one of ``names`` in stderr."""
+    assert proc.returncode == status, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for name in names:
+        assert name in proc.stderr, (name, proc.stderr[-3000:])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished run of 6 updates, validated (and saved) at 3 and 6."""
+    run = str(tmp_path_factory.mktemp("hostile") / "run")
+    proc = train(*SMALL, "--run-dir", run, "--max-updates", "6", "--valid-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    """A copy of the trained run, free to damage."""
+    dst = str(tmp_path / "run")
+    shutil.copytree(trained, dst)
+    return dst
+
+
+# ---- flags refused as the command line is parsed, with the range in the message ------------
+BAD_FLAGS = [
+    (["--warmup", "0"], "--warmup: must be an integer >= 1"),
+    (["--warmup", "-5"], "--warmup: must be an integer >= 1"),
+    (["--warmup", "1.5"], "--warmup: must be an integer >= 1"),
+    (["--update-freq", "0"], "--update-freq: must be an integer >= 1"),
+    (["--lr-factor", "-1"], "--lr-factor: must be a number > 0"),
+    (["--lr-factor", "nan"], "--lr-factor: must be a finite number > 0"),
+    (["--label-smoothing", "1.5"], "--label-smoothing: must be a number in [0, 1)"),
+    (["--dropout", "1"], "--dropout: must be a number in [0, 1)"),
+    (["--clip-norm", "-1"], "--clip-norm: must be a number >= 0"),
+    (["--beam", "0"], "--beam: must be an integer >= 1"),
+    (["--alpha", "-0.1"], "--alpha: must be a number >= 0"),
+    (["--average-last", "-2"], "--average-last: must be an integer >= 0"),
+    (["--max-tokens", "0"], "--max-tokens: must be an integer >= 1"),
+    (["--adam-betas", "0.9", "1.0"], "--adam-betas: must be a number in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps: must be a number > 0"),
+    (["--max-time", "-1"], "--max-time: must be a number >= 0"),
+    (["--keep-last", "-1"], "--keep-last: must be an integer >= 0"),
+    (["--valid-every", "0"], "--valid-every: must be an integer >= 1"),
+    (["--d-model", "abc"], "--d-model: must be an integer >= 1"),
+    (["--max-positions", "1"], "--max-positions: must be an integer >= 2"),
+    (["--vocab-size", "3"], "--vocab-size: must be an integer >= 8"),
+    (["--max-bad-updates", "0"], "--max-bad-updates: must be an integer >= 1"),
+    (["--loss-scale-init", "inf"], "--loss-scale-init: must be a finite number > 0"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_number_is_refused_at_parse_time(tmp_path, flags, message):
+    run = tmp_path / "run"
+    proc = train("--run-dir", str(run), *flags)
+    clean_failure(proc, 2, message)
+    assert not run.exists()  # refused before anything was written
+
+
+def test_help_shows_ranges_and_the_real_defaults():
+    out = train("--help").stdout
+    assert "(>= 1; default 1)" in out         # --update-freq
+    assert "(> 0; default 1)" in out          # --lr-factor
+    assert "(>= 0; default 5)" in out         # --keep-last
+    assert "(in [0, 1))" in out               # the dropout rates and label smoothing
+
+
+# ---- config files ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name,text,message", [
+    ("list.json", "[1, 2]", "top level must be a table of options"),
+    ("scalar.json", "4000", "top level must be a table of options"),
+    ("broken.json", '{"warmup": ', "cannot parse"),
+    ("broken.toml", "warmup = ", "cannot parse"),
+    ("unknown.json", '{"warmpu": 10}', "unknown options ['warmpu']"),
+    ("range.json", '{"warmup": -5}', "warmup (--warmup) must be an integer >= 1"),
+    ("type.json", '{"lr_factor": "fast"}', "lr_factor (--lr-factor) must be a number > 0"),
+    ("bool.json", '{"beam": true}', "beam (--beam) must be an integer >= 1"),
+])
+def test_bad_config_file_is_refused(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    proc = train("--config", str(path), "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, f"--config {path}", message)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("what", ["directory", "missing"])
+def test_config_path_that_is_not_a_readable_file(tmp_path, what):
+    path = tmp_path / "conf.json"
+    if what == "directory":
+        path.mkdir()
+    proc = train("--config", str(path), "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, f"--config {path}", "cannot read it")
+
+
+# ---- the run directory ------------------------------------------------------------------------
+def test_run_dir_that_is_a_file(tmp_path):
+    path = tmp_path / "notadir"
+    path.write_text("mine\n")
+    proc = train(*SMALL, "--run-dir", str(path), "--max-updates", "2")
+    clean_failure(proc, 2, str(path), "a file is in the way")
+    assert path.read_text() == "mine\n"
+
+
+def test_run_dir_below_a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("mine\n")
+    proc = train(*SMALL, "--run-dir", str(path / "run"), "--max-updates", "2")
+    clean_failure(proc, 2, str(path), "not a directory")
+    assert path.read_text() == "mine\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_run_dir(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        proc = train(*SMALL, "--run-dir", str(ro / "run"), "--max-updates", "2")
+    finally:
+        ro.chmod(0o755)
+    clean_failure(proc, 2, str(ro / "run"), "ermission denied")
+
+
+def test_new_run_into_a_finished_run_is_refused(run_copy):
+    before = digest(run_copy)
+    proc = train(*SMALL, "--run-dir", run_copy, "--max-updates", "2")
+    clean_failure(proc, 2, run_copy, "already holds a run", "--resume")
+    assert digest(run_copy) == before
+
+
+def test_resume_into_an_empty_directory(tmp_path):
+    proc = train(*SMALL, "--run-dir", str(tmp_path), "--resume")
+    clean_failure(proc, 2, "--resume", str(tmp_path))
+
+
+def test_resume_with_another_model_is_refused(run_copy):
+    before = digest(run_copy)
+    proc = train("--run-dir", run_copy, "--resume", "--d-model", "64", "--max-updates", "8")
+    clean_failure(proc, 2, "--d-model 64 differs", "config.json")
+    assert digest(run_copy) == before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_resume_from_a_damaged_checkpoint(run_copy, damage):
+    last = os.path.join(run_copy, "checkpoint_last.npz")
+    with open(last, "rb") as fh:
+        data = fh.read()
+    with open(last, "wb") as fh:
+        fh.write(data[: len(data) // 2] if damage == "truncate" else b"\0" * 100)
+    before = digest(run_copy)
+    proc = train("--run-dir", run_copy, "--resume", "--max-updates", "8", "--no-progress")
+    clean_failure(proc, 2, "checkpoint_last.npz")
+    assert digest(run_copy) == before
+    ckpt.load_checkpoint(os.path.join(run_copy, "checkpoint_best.npz"))  # the rest still loads
+
+
+# ---- data ------------------------------------------------------------------------------------
+def test_data_directory_missing(tmp_path):
+    proc = train(*SMALL, "--data", str(tmp_path / "nope"), "--src-lang", "en", "--tgt-lang", "de",
+                 "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, "--data", "nope")
+
+
+def test_data_without_languages(tmp_path):
+    proc = train(*SMALL, "--data", str(tmp_path), "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, "--src-lang and --tgt-lang")
+
+
+def test_data_missing_a_training_file(tmp_path):
+    (tmp_path / "train.en").write_text("a b c\n")
+    proc = train(*SMALL, "--data", str(tmp_path), "--src-lang", "en", "--tgt-lang", "de",
+                 "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, "train.de")
+
+
+def test_training_file_that_is_a_directory(tmp_path):
+    (tmp_path / "train.en").write_text("a b c\n")
+    (tmp_path / "train.de").mkdir()
+    proc = train(*SMALL, "--data", str(tmp_path), "--src-lang", "en", "--tgt-lang", "de",
+                 "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, "train.de")
+
+
+def test_max_len_beyond_the_models_positions(tmp_path):
+    proc = train(*SMALL, "--max-positions", "32", "--max-len", "64", "--run-dir",
+                 str(tmp_path / "run"), "--max-updates", "2")
+    clean_failure(proc, 2, "--max-len 64", "max_positions 32")
+
+
+def test_overlong_validation_pairs_are_counted_with_file_and_line(tmp_path):
+    from minitransformer.mt.synthetic import write_corpus
+    run = tmp_path / "run"
+    write_corpus(str(run / "data"), seed=1234, n_train=600, n_valid=20, n_test=5)
+    valid = run / "data" / "valid.src"
+    lines = valid.read_text().splitlines()
+    lines[6] = " ".join(["the small dog"] * 40)  # 120 words: more than 64 positions
+    valid.write_text("\n".join(lines) + "\n")
+    proc = train(*SMALL, "--max-positions", "64", "--max-len", "64", "--run-dir", str(run),
+                 "--max-updates", "2", "--valid-every", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "valid: 1 of 20 pairs longer than the model's 64 positions left out" in proc.stdout
+    assert f"{valid}, first at line 7" in proc.stdout
+
+
+# ---- the machine -------------------------------------------------------------------------------
+def test_cuda_without_a_gpu_is_one_line(tmp_path):
+    from minitransformer import backend
+    if backend.cupy_available():
+        pytest.skip("a GPU is here")
+    proc = train(*SMALL, "--device", "cuda", "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, "--device cuda", "CuPy")
+
+
+def test_float16_on_the_cpu_is_refused(tmp_path):
+    proc = train(*SMALL, "--precision", "float16", "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, "--precision float16 needs a GPU")
+
+
+def test_disk_full_at_a_checkpoint_keeps_the_previous_ones(run_copy):
+    """The next checkpoint's write fails with ENOSPC (os.fsync made to fail, as on a full
+    disk): one line naming the file and what to do, exit 2, no temporary left, the
+    checkpoints saved before unchanged and loadable (metrics.jsonl has the new log lines)."""
+    skip = ("train.lock", "metrics.jsonl")
+    before = digest(run_copy, skip)
+    code = (
+        "import errno, os, sys\n"
+        "def full(fd): raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+        "os.fsync = full\n"
+        "from minitransformer.mt.train import main\n"
+        f"sys.exit(main(['--run-dir', {run_copy!r}, '--resume', '--max-updates', '8', "
+        "'--valid-every', '2']))\n")
+    proc = python(code)
+    clean_failure(proc, 2, "checkpoint_8.npz: No space left on device", "free some space",
+                  "--resume")
+    assert digest(run_copy, skip) == before
+    assert not [n for n in os.listdir(run_copy) if n.startswith(".tmp-")]
+    for name in ("checkpoint_last.npz", "checkpoint_best.npz"):
+        ckpt.load_checkpoint(os.path.join(run_copy, name))
+
+
+def test_disk_full_error_names_the_temporary_files_directory(tmp_path):
+    from minitransformer.mt.fileio import describe_os_error
+    text = describe_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/x/ckpt.npz"))
+    assert text.startswith("/x/ckpt.npz: No space left on device; the disk is full")
+
+
+def test_ctrl_c_while_training_sentencepiece(tmp_path):
+    run = str(tmp_path / "run")
+    code = (
+        "import sys\n"
+        "from minitransformer.mt import train as t\n"
+        "def interrupted(*a, **k): raise KeyboardInterrupt\n"
+        "t.train_sentencepiece = interrupted\n"
+        f"sys.exit(t.main({SMALL + ['--run-dir', run]!r}))\n")
+    proc = python(code)
+    clean_failure(proc, 130, "interrupted while setting up the run", run)
+    assert not os.path.exists(os.path.join(run, "spm.model"))
+
+
+# ---- a stopped, killed, or doubled run -------------------------------------------------------
+def _start(run, *extra):
+    return subprocess.Popen([sys.executable, TRAIN, *SMALL, "--run-dir", run, "--max-updates",
+                             "100000", "--valid-every", "100000", "--save-every", "5", *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, proc, seconds=120):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early: {proc.communicate()[1][-3000:]}")
+        time.sleep(0.1)
+    pytest.fail("timed out")
+
+
+def test_second_run_and_resume_into_a_running_run_are_refused(tmp_path):
+    run = str(tmp_path / "run")
+    first = _start(run)
+    try:
+        _wait_for(lambda: os.path.exists(os.path.join(run, "checkpoint_last.npz")), first)
+        second = train(*SMALL, "--run-dir", run, "--max-updates", "3")
+        clean_failure(second, 2, f"--run-dir {run} is in use by another training run",
+                      f"PID {first.pid}", "since ")
+        resumed = train("--run-dir", run, "--resume", "--max-updates", "3")
+        clean_failure(resumed, 2, f"PID {first.pid}")
+        assert first.poll() is None  # the first run goes on
+        first.send_signal(signal.SIGINT)
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "SIGINT: stopped at update" in out and "--resume" in out
+    ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))
+    # the lock died with the run: resuming now works
+    proc = train("--run-dir", run, "--resume", "--max-updates", "1", "--test-split", "")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_kill_9_then_resume_cleans_up_and_logs_each_update_once(tmp_path):
+    run = str(tmp_path / "run")
+    proc = _start(run)
+    try:
+        _wait_for(lambda: len(ckpt.periodic_checkpoints(run)) >= 2, proc)
+        time.sleep(0.3)  # a few more updates logged past the checkpoint
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    with open(os.path.join(run, ".tmp-interrupted-checkpoint_last.npz"), "wb") as fh:
+        fh.write(b"half a checkpoint")  # as a save killed midway leaves it
+    saved = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"]
+    res = train("--run-dir", run, "--resume", "--max-updates", str(saved + 4))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "temporary file(s) left by an interrupted save" in res.stdout
+    assert not [n for n in os.listdir(run) if n.startswith(".tmp-")]
+    with open(os.path.join(run, "metrics.jsonl")) as fh:
+        records = [json.loads(line) for line in fh]
+    logged = [r["update"] for r in records if "loss" in r]
+    assert logged == sorted(set(logged)), logged  # no update recorded twice
+    assert max(logged) <= saved + 4 and any(u > saved for u in logged), (saved, logged)
+
+
+# ---- divergence --------------------------------------------------------------------------------
+def test_absurd_learning_rate_stops_with_the_first_bad_op(run_copy):
+    before = digest(run_copy)
+    params_before = ckpt.load_checkpoint(os.path.join(run_copy, "checkpoint_best.npz"))[0]
+    proc = train("--run-dir", run_copy, "--resume", "--lr-factor", "1e30", "--max-updates", "40",
+                 "--valid-every", "2")
+    clean_failure(proc, 3, "training diverged", "--max-bad-updates 5", "replayed with every op "
+                  "checked", "forward made a NaN or Inf output from finite values",
+                  "checkpoints in", "--lr-factor")
+    skip = ("train.lock", "metrics.jsonl")
+    assert digest(run_copy, skip) == {k: v for k, v in before.items() if k not in skip}
+    params_after = ckpt.load_checkpoint(os.path.join(run_copy, "checkpoint_best.npz"))[0]
+    for k in params_before:
+        assert np.array_equal(params_before[k], params_after[k]), k
+
+
+def test_divergence_in_a_new_run_saves_nothing(tmp_path):
+    run = str(tmp_path / "run")
+    proc = train(*SMALL, "--run-dir", run, "--lr-factor", "1e30", "--max-updates", "40",
+                 "--valid-every", "20", "--max-bad-updates", "3")
+    clean_failure(proc, 3, "3 updates in a row", "no checkpoint was written")
+    assert not [n for n in os.listdir(run) if n.endswith(".npz")]
