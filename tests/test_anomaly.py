@@ -68,7 +68,16 @@ def test_first_bad_op_finds_the_op_in_a_models_batch():
     emb.data[6] = np.finfo(emb.dtype).max / 2  # finite; scaled by sqrt(d_model) it overflows
     src = np.array([[5, 6, 7, 3]])
     batch = dict(src=src, tgt_in=np.array([[2, 5, 6]]), tgt_out=np.array([[5, 6, 3]]))
-    where = first_bad_op(model, optim, [batch], model.rng.get_state())
-    assert where.startswith("in batch 1 of 1 (1 sentences, source length 4, target length 3)")
+    found, where = first_bad_op(model, optim, [batch], model.rng.get_state())
+    assert found and where.startswith("in batch 1 of 1 (1 sentences, source length 4, target length 3)")
     assert "forward made a NaN or Inf output from finite values" in where
     assert all(p.grad is None or not np.any(p.grad) for p in model.parameters())
+
+
+def test_first_bad_op_says_so_when_every_op_is_finite():
+    cfg = TransformerConfig(vocab_size=30, d_model=8, n_heads=2, d_ff=16, n_layers=1)
+    model = Transformer(cfg, seed=0)
+    batch = dict(src=np.array([[5, 6, 3]]), tgt_in=np.array([[2, 5]]),
+                 tgt_out=np.array([[5, 3]]))
+    found, where = first_bad_op(model, Adam(model.parameters()), [batch], model.rng.get_state())
+    assert not found and "found no op that made a NaN or an Inf" in where

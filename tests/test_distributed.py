@@ -423,3 +423,21 @@ def test_doctor_reports_each_piece_and_a_fix_for_what_is_missing(capsys):
         if line.split()[0] == "missing" and "needs CuPy" not in line:
             following = out.splitlines()[out.splitlines().index(line) + 1]
             assert "fix:" in following, out
+
+
+@needs_mpi
+def test_two_ranks_stop_together_when_training_diverges(tmp_path):
+    """The divergence guard under mpiexec: every rank skips the same bad updates (decided on
+    the all-reduced sums), replays its share, and all stop with status 3; one rank prints
+    the diagnosis, and the launcher does not abort anyone. A second job into the directory
+    is then free to start (the lock died with rank 0)."""
+    run = str(tmp_path / "run")
+    proc = subprocess.run(mpi_command(2, *SMALL, "--run-dir", run, "--lr-factor", "1e30",
+                                      "--max-updates", "40", "--max-bad-updates", "3"),
+                          cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-3000:]
+    assert out.count("training diverged: 3 updates in a row") == 1, out[-3000:]
+    assert "forward made a NaN or Inf output from finite values" in out
+    assert "MPI_ABORT" not in out and "Traceback" not in out, out[-3000:]
+    assert not [n for n in os.listdir(run) if n.endswith(".npz")]

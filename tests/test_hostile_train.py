@@ -239,7 +239,7 @@ def test_training_file_that_is_a_directory(tmp_path):
 def test_max_len_beyond_the_models_positions(tmp_path):
     proc = train(*SMALL, "--max-positions", "32", "--max-len", "64", "--run-dir",
                  str(tmp_path / "run"), "--max-updates", "2")
-    clean_failure(proc, 2, "--max-len 64", "max_positions 32")
+    clean_failure(proc, 2, "--max-len 64", "(--max-positions 32)", "give --max-len 32 or less")
 
 
 def test_overlong_validation_pairs_are_counted_with_file_and_line(tmp_path):
@@ -293,7 +293,7 @@ def test_disk_full_at_a_checkpoint_keeps_the_previous_ones(run_copy):
         ckpt.load_checkpoint(os.path.join(run_copy, name))
 
 
-def test_disk_full_error_names_the_temporary_files_directory(tmp_path):
+def test_os_errors_are_one_line_with_the_path_and_what_to_do():
     from minitransformer.mt.fileio import describe_os_error
     text = describe_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/x/ckpt.npz"))
     assert text.startswith("/x/ckpt.npz: No space left on device; the disk is full")
@@ -364,7 +364,7 @@ def test_kill_9_then_resume_cleans_up_and_logs_each_update_once(tmp_path):
         proc.kill()
         proc.communicate()
     assert proc.returncode == -signal.SIGKILL
-    with open(os.path.join(run, ".tmp-interrupted-checkpoint_last.npz"), "wb") as fh:
+    with open(os.path.join(run, ".tmp-k1ll3d9xcheckpoint_last.npz"), "wb") as fh:
         fh.write(b"half a checkpoint")  # as a save killed midway leaves it
     saved = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"]
     res = train("--run-dir", run, "--resume", "--max-updates", str(saved + 4))

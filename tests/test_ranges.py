@@ -43,8 +43,11 @@ def test_help_carries_range_and_default():
 
 def test_config_values_are_checked_like_flags():
     p = _parser()
-    check_ranges(p, {"warmup": 10, "betas": [0.5, 0.9], "name": "x", "other": -1}, "here")
-    check_ranges(p, {"warmup": 10.0}, "here")  # an integer written as 10.0 is fine
+    options = {"warmup": 10, "betas": [0.5, 0.9], "name": "x", "other": -1}
+    assert check_ranges(p, options, "here") == options
+    converted = check_ranges(p, {"warmup": 10.0, "betas": [0, 1e-1]}, "here")
+    assert converted == {"warmup": 10, "betas": [0.0, 0.1]}  # an integer written as 10.0
+    assert type(converted["warmup"]) is int and type(converted["betas"][0]) is float
     for options, message in (({"warmup": 0}, r"here: warmup \(--warmup\) must be an integer"),
                              ({"warmup": True}, "must be an integer >= 1, got 'True'"),
                              ({"warmup": "10"}, "must be an integer >= 1"),

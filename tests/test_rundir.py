@@ -84,13 +84,20 @@ def test_trim_metrics_keeps_each_update_once(tmp_path):
     with open(rd.metrics) as fh:
         assert [json.loads(line)["update"] for line in fh] == [1, 2, 4, 4]
     assert rd.trim_metrics(4) == 0  # nothing more to drop: the file is left alone
+    with open(rd.metrics, "a") as fh:  # a whole record that lost its newline
+        fh.write('{"update": 5, "loss": 1.0}')
+    assert rd.trim_metrics(6) == 0
+    with open(rd.metrics) as fh:
+        assert fh.read().endswith('{"update": 5, "loss": 1.0}\n')  # the next one goes below
 
 
 def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
     rd = RunDir(tmp_path)
-    for name in (".tmp-abc-checkpoint_last.npz", ".tmp-x-config.json", "checkpoint_last.npz",
-                 "notes.tmp"):
+    ours = [".tmp-a1b2c3d4checkpoint_last.npz", ".tmp-_x9Yq0z_config.json",
+            ".tmp-abcdefghcheckpoint_1200.npz", ".tmp-abcdefghmetrics.jsonl"]
+    others = ["checkpoint_last.npz", "notes.tmp", ".tmp-abcdefghavg.npz",  # another writer's
+              ".tmp-short.npz"]
+    for name in ours + others:
         (tmp_path / name).write_text("x")
-    assert sorted(rd.remove_stale_temporaries()) == [".tmp-abc-checkpoint_last.npz",
-                                                     ".tmp-x-config.json"]
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint_last.npz", "notes.tmp"]
+    assert rd.remove_stale_temporaries() == sorted(ours)
+    assert sorted(os.listdir(tmp_path)) == sorted(others)

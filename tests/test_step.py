@@ -100,6 +100,8 @@ def test_a_non_finite_gradient_never_reaches_the_parameters(flat):
     for p, b in zip(model.parameters(), before):
         np.testing.assert_array_equal(p.data, b)
         assert p.grad is None or not np.any(p.grad)
+    moments = (optim.flat[2:] if flat else optim.m + optim.v)
+    assert all(not np.any(m) for m in moments)
 
 
 def test_a_non_finite_loss_alone_skips_the_update(monkeypatch):

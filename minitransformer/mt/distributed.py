@@ -24,7 +24,6 @@ each rank reseeds its dropout generator at every update from (seed, rank, update
 """
 import contextlib
 import os
-import signal
 import sys
 import time
 import traceback
@@ -72,9 +71,6 @@ def init_from_env(device=None):
     return Comm(MPI, MPI.COMM_WORLD, device=device)
 
 
-AGREED_STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # train.py's, every rank
-
-
 @contextlib.contextmanager
 def abort_on_error(comm):
     """Turn a failure on one rank into the end of the whole job.
@@ -82,8 +78,8 @@ def abort_on_error(comm):
     A rank that exits while the others wait in a collective would leave them waiting forever
     (MPI_Finalize waits for all ranks), so an exception, or a non-zero ``sys.exit``, prints
     its message and calls MPI_Abort, which makes the launcher stop every rank. A stop the
-    ranks agreed on (a signal: all save, then exit with 128 + its number) ends normally.
-    No-op without a Comm.
+    ranks agreed on (``comm.agreed_stop``: a signal, after which all save and exit with 128 +
+    its number, or a divergence, exit 3) ends normally on every rank. No-op without a Comm.
     """
     if comm is None:
         yield
@@ -92,7 +88,7 @@ def abort_on_error(comm):
         yield
     except SystemExit as exc:
         code = exc.code
-        if code is None or code == 0 or code in AGREED_STOP_CODES:
+        if code is None or code == 0 or getattr(comm, "agreed_stop", False):
             raise
         if not isinstance(code, int):
             print(code, file=sys.stderr, flush=True)
@@ -171,6 +167,7 @@ class Comm:
         self.bucket_bytes = bucket_bytes
         self.device, self.nccl = None, None
         self.allreduce_s = 0.0
+        self.agreed_stop = False  # set when every rank stops at once (abort_on_error)
         self._buf = None  # the flat gradient buffer, reused every update
         if device is not None:
             self.init_device(device)
@@ -315,6 +312,13 @@ class Comm:
             p.data[...] = buf[offset:offset + p.size].reshape(p.shape)
             offset += p.size
         self._sync()
+
+    def lowest_rank_where(self, flag):
+        """The lowest rank whose ``flag`` is true, or None (one all-reduce): a decision every
+        rank takes alike from what some ranks saw."""
+        mine = np.array([self.size - self.rank if flag else 0], dtype=np.float64)
+        self.mpi.Allreduce(self.MPI.IN_PLACE, mine, op=self.MPI.MAX)
+        return self.size - int(mine[0]) if mine[0] else None
 
     def agree_to_stop(self, elapsed, signum):
         """One decision for all ranks, taken before each update: -> (rank 0's ``elapsed``

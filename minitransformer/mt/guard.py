@@ -18,7 +18,12 @@ from ..engine.anomaly import AnomalyError, detect_anomaly
 
 
 class Diverged(RuntimeError):
-    """Training cannot go on; nothing bad was saved. The message says why and what to do."""
+    """Training cannot go on; nothing bad was saved. The message says why and what to do;
+    under mpiexec every rank raises it and one, ``speak``, prints it."""
+
+    def __init__(self, message, speak=True):
+        super().__init__(message)
+        self.speak = speak
 
 
 class DivergenceGuard:
@@ -35,8 +40,8 @@ class DivergenceGuard:
 
 def first_bad_op(model, optim, batches, rng_state):
     """Replay ``batches`` (collated, as the update saw them) from the dropout state
-    ``rng_state`` with every op checked: -> where the first NaN or Inf came from, in words.
-    The gradients of the replay are dropped."""
+    ``rng_state`` with every op checked: -> (whether an op made one, where the first NaN or
+    Inf came from in words). The gradients of the replay are dropped."""
     model.rng.set_state(rng_state)
     model.train()
     done = 0
@@ -48,12 +53,13 @@ def first_bad_op(model, optim, batches, rng_state):
                 done += 1
     except AnomalyError as exc:
         src, tgt = batches[done]["src"].shape, batches[done]["tgt_in"].shape
-        return (f"in batch {done + 1} of {len(batches)} ({src[0]} sentences, source length "
-                f"{src[1]}, target length {tgt[1]}), replayed with every op checked: {exc}")
+        return True, (f"in batch {done + 1} of {len(batches)} ({src[0]} sentences, source "
+                      f"length {src[1]}, target length {tgt[1]}), replayed with every op "
+                      f"checked: {exc}")
     finally:
         optim.zero_grad()
-    return ("replaying its batches with every op checked found no NaN or Inf on this rank "
-            "(it came from another rank's batch)")
+    return False, ("replaying its batches with every op checked found no op that made a NaN "
+                   "or an Inf on any rank")
 
 
 def all_finite(params):

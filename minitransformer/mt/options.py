@@ -205,7 +205,7 @@ def parse_args(argv=None):
         unknown = sorted(set(options) - known)
         if unknown:
             raise SystemExit(f"error: --config {args.config}: unknown options {unknown}")
-        check_ranges(parser, options, f"--config {args.config}")
+        options = check_ranges(parser, options, f"--config {args.config}")
         parser.set_defaults(**options)
         args = parser.parse_args(argv)
     args.explicit = {a.dest for a in parser._actions

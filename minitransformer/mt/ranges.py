@@ -62,20 +62,25 @@ def add_number(group, flag, kind, valid, help=None, **kw):
 
 def check_ranges(parser, options, source):
     """Check numeric options that do not come through argparse's conversion (a config file's
-    values), ``options`` a dict {dest: value}: -> raises SystemExit naming the option,
+    values), ``options`` a dict {dest: value}: -> the options with those values converted to
+    the flag's type (10.0 for an integer option becomes 10), or SystemExit naming the option,
     ``source`` and the range. None values (unset, filled in later) pass."""
+    options = dict(options)
     for action in parser._actions:
         kind, valid = getattr(action, RANGE_ATTR, (None, None))
         value = options.get(action.dest)
         if kind is None or value is None:
             continue
         values = value if isinstance(value, (list, tuple)) else [value]
+        converted = []
         for v in values:
             ok_type = isinstance(v, (int, float)) and not isinstance(v, bool) and \
                 (kind is float or float(v).is_integer())
             text = (str(int(v)) if kind is int else str(v)) if ok_type else repr(v)
             try:
-                number(kind, valid)(text)
+                converted.append(number(kind, valid)(text))
             except argparse.ArgumentTypeError as exc:
                 flag = action.option_strings[0]
                 raise SystemExit(f"error: {source}: {action.dest} ({flag}) {exc}") from None
+        options[action.dest] = converted if isinstance(value, (list, tuple)) else converted[0]
+    return options

@@ -17,9 +17,9 @@ checkpoint belongs with the run's vocabulary are made here, once.
 import datetime
 import errno
 import fcntl
-import glob
 import json
 import os
+import re
 import socket
 
 from . import checkpoint as ckpt
@@ -61,21 +61,28 @@ class RunDir:
         held until the process ends (the OS releases it when the process dies, however it
         dies, so a killed run never leaves the directory locked). Another process holding
         it -> RunDirBusy naming its host, PID and start time. Reading the run (translate.py,
-        averaging) takes no lock."""
+        averaging) takes no lock. -> False where the file system has no locks (the run
+        goes on unguarded), else True."""
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
             os.close(fd)
+            if exc.errno in NO_LOCKS:  # a file system without flock (some cluster mounts)
+                return False
             if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
             raise RunDirBusy(self.path, holder) from None
-        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"host {socket.gethostname()}, PID {os.getpid()}, since {since}\n"
-                 .encode("utf-8"))
         self._lock_fd = fd  # kept open (and so locked) for the life of the process
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        try:  # who holds it, for the refusal's message (only informative: a full disk is
+            os.ftruncate(fd, 0)  # no reason not to train)
+            os.write(fd, f"host {socket.gethostname()}, PID {os.getpid()}, since {since}\n"
+                     .encode("utf-8"))
+        except OSError:
+            pass
+        return True
 
     def unlock(self):
         fd = getattr(self, "_lock_fd", None)
@@ -86,11 +93,14 @@ class RunDir:
     def remove_stale_temporaries(self):
         """Delete the temporary files of saves that were interrupted (a killed process
         leaves ``.tmp-*`` beside the file it was replacing; the file itself is intact).
-        Call only while holding the lock. -> the names removed."""
+        Only the temporaries of the run's own files go (``atomic_write`` names them
+        ``.tmp-<8 random characters><file name>``); call it while holding the lock.
+        -> the names removed."""
         removed = []
-        for path in glob.glob(os.path.join(glob.escape(self.path), ".tmp-*")):
-            os.unlink(path)
-            removed.append(os.path.basename(path))
+        for name in sorted(os.listdir(self.path)):
+            if STALE_TEMPORARY.fullmatch(name):
+                os.unlink(self.file(name))
+                removed.append(name)
         return removed
 
     # ---- the run's state ----
@@ -107,8 +117,8 @@ class RunDir:
         with open(self.metrics, encoding="utf-8") as fh:
             lines = fh.readlines()
         keep = [line for line in lines if _record_update(line) <= update]
-        if len(keep) != len(lines):
-            atomic_write_text(self.metrics, "".join(keep))
+        if len(keep) != len(lines) or (keep and not keep[-1].endswith("\n")):
+            atomic_write_text(self.metrics, "".join(line.rstrip("\n") + "\n" for line in keep))
         return len(lines) - len(keep)
 
     def read_config(self):
@@ -166,6 +176,12 @@ class RunDir:
         if vocab_size is not None and model_vocab is not None and vocab_size != model_vocab:
             raise ckpt.CheckpointError(f"{self.spm_model} has {vocab_size} pieces but the "
                                        f"checkpoint's model has vocab_size {model_vocab}")
+
+
+NO_LOCKS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}  # flock not supported there
+# what atomic_write leaves of an interrupted save of one of the run's files
+STALE_TEMPORARY = re.compile(r"\.tmp-.{8}(checkpoint_(last|best|\d+)\.npz|config\.json|"
+                             r"metrics\.jsonl|spm\.(model|vocab)|[^/]*\.hyp)")
 
 
 def _record_update(line):

@@ -85,7 +85,9 @@ class Trainer:
         Rank 0 holds the directory's lock for the life of the process (RunDir.lock)."""
         os.makedirs(self.rd.path, exist_ok=True)
         if self.main:
-            self.rd.lock()  # RunDirBusy while another run trains here
+            if not self.rd.lock():  # (RunDirBusy while another run trains here)
+                self._log_early(f"warning: the file system of {self.rd.path} has no file "
+                                "locks; nothing stops a second run from training there")
             removed = self.rd.remove_stale_temporaries()
             if removed:
                 self._log_early(f"removed {len(removed)} temporary file(s) left by an "
@@ -155,10 +157,12 @@ class Trainer:
         """The validation set (when its files exist), without the pairs longer than the
         model's positions (counted in the log, as training pairs are)."""
         a, limit = self.args, self.cfg.max_positions
-        if a.max_len > limit:
+        if a.max_len > limit and a.resume:  # (a run from before this check: no pair was
+            a.max_len = limit                # longer, or it would have failed on it)
+        elif a.max_len > limit:
             raise SystemExit(f"error: --max-len {a.max_len} is more than the model's positions "
-                             f"(max_positions {limit}): lower --max-len to {limit} or less, or "
-                             "raise --max-positions (a new run)")
+                             f"(--max-positions {limit}): give --max-len {limit} or less, or "
+                             "raise --max-positions")
         self.valid = None
         if a.valid_split not in self.files or not os.path.exists(self.files[a.valid_split][0]):
             return
@@ -232,14 +236,16 @@ class Trainer:
 
     def save(self, path):
         """The whole training state into checkpoint ``path`` (rank 0 only); never a model
-        whose parameters are not finite (-> Diverged, nothing written)."""
-        if not self.main:
-            return
+        whose parameters are not finite (-> Diverged on every rank, which hold the same
+        parameters, so they decide alike; nothing written)."""
         if not all_finite(self.params):
             raise Diverged(f"the parameters are not finite at update {self.update}; {path} was "
-                           "not written (the checkpoints saved before are as they were)")
+                           "not written (the checkpoints saved before are as they were)",
+                           speak=self.main)
+        self.saved_update = self.update  # (on every rank: for the divergence message)
+        if not self.main:
+            return
         ckpt.save_checkpoint(path, self.model, self.optim, self._meta())
-        self.saved_update = self.update
         return path
 
     def _load(self, path):
@@ -275,7 +281,7 @@ class Trainer:
         if result.applied:
             self.update += 1
         if self.scaler is None and self.guard.record(result.applied):
-            raise Diverged(self._divergence_report(batches, rng_state))
+            raise self._diverged(batches, rng_state)
         return result.loss_sum, result.tokens
 
     def _update_batches(self, kept):
@@ -289,18 +295,28 @@ class Trainer:
                 kept.append(collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id))
                 yield kept[-1]
 
-    def _divergence_report(self, batches, rng_state):
-        """Why training stops: the update, and the first op that made a NaN or an Inf."""
-        where = first_bad_op(self.model, self.optim, batches, rng_state)
+    def _diverged(self, batches, rng_state):
+        """Why training stops: the update, and the first op that made a NaN or an Inf (under
+        mpiexec each rank replays its share; the lowest rank that finds the op speaks)."""
+        found, where = first_bad_op(self.model, self.optim, batches, rng_state)
+        speak = self.main
+        if self.comm:
+            first = self.comm.lowest_rank_where(found)
+            speak = self.rank == (0 if first is None else first)
+            where = where if first is None else f"on rank {first}, {where}"
+        elif not found:
+            where = ("no op made a NaN or an Inf in the replay: the sum of the squared "
+                     "gradients overflowed float32 (a gradient norm above about 1e19)")
         saved = (f"the checkpoints in {self.rd.path} are as saved at update "
                  f"{self.saved_update}" if self.saved_update is not None
                  else f"no checkpoint was written in {self.rd.path}")
-        return (f"training diverged: {self.guard.bad_in_a_row} updates in a row had a loss or "
+        return Diverged(
+                f"training diverged: {self.guard.bad_in_a_row} updates in a row had a loss or "
                 f"gradient that is not finite (--max-bad-updates {self.args.max_bad_updates}); "
                 f"each was skipped. Update {self.update + 1}: {where}. Nothing of it reached "
                 f"the parameters or a checkpoint: {saved}. Lower --lr-factor, lengthen "
                 "--warmup or set --clip-norm, then start a new --run-dir, or --resume with the "
-                "new flags")
+                "new flags", speak=speak)
 
     def validate(self):
         """Validation loss per token (no dropout) and greedy BLEU on the first N sentences."""
@@ -323,28 +339,29 @@ class Trainer:
         """Train until a stopping rule (--max-updates / --max-epochs / --max-time) or a
         signal. -> True when training finished, False when a signal stopped it (the state
         is then saved in checkpoint_last.npz, to continue with --resume)."""
-        with StopSignals() as stop:
+        with StopSignals() as stop:  # (a signal during the final save is noted, not fatal)
             log = Log(self.rd.metrics, self.args.max_updates,
                       not self.args.no_progress, enabled=self.main, comm=self.comm)
             log.info(f"model: {count_parameters(self.model):,} parameters, config "
                      f"{json.dumps(dataclasses.asdict(self.cfg))}")
             self.batch_iter = iter(self.batches)
             reason = self._loop(log, stop)
-        self.stopped_by = stop.signum
-        if stop.signum is not None:
-            self.save(self.rd.last)
-            log.info(f"{signal.Signals(stop.signum).name}: stopped at update {self.update}; "
-                     f"saved {self.rd.last}; continue with --resume")
-            log.close()
-            return False
-        if self.valid is not None and self.update % self.args.valid_every != 0:
-            self._validate_and_save(log)
-        else:
-            self.save(self.rd.last)
-        log.info(f"training finished ({reason}) after {self.update} updates, "
-                 f"{self.train_time:.0f} s")
+            self.stopped_by = stop.signum
+            if stop.signum is not None:
+                if self.comm:  # every rank stops here, with the same status
+                    self.comm.agreed_stop = True
+                self.save(self.rd.last)
+                log.info(f"{signal.Signals(stop.signum).name}: stopped at update "
+                         f"{self.update}; saved {self.rd.last}; continue with --resume")
+            elif self.valid is not None and self.update % self.args.valid_every != 0:
+                self._validate_and_save(log)
+            else:
+                self.save(self.rd.last)
+        if stop.signum is None:
+            log.info(f"training finished ({reason}) after {self.update} updates, "
+                     f"{self.train_time:.0f} s")
         log.close()
-        return True
+        return stop.signum is None
 
     def _loop(self, log, stop):
         """Updates until a stopping rule (-> its description) or a signal (-> None)."""
@@ -401,10 +418,14 @@ class Trainer:
 
     def _validate_and_save(self, log):
         loss, bleu = self.validate() if self.main else (0.0, 0.0)
-        if not math.isfinite(loss):  # a model that is finite but broken: keep what was saved
-            raise Diverged(f"the validation loss at update {self.update} is {loss}; no "
-                           f"checkpoint was written for it (those in {self.rd.path} are as "
-                           "saved before)")
+        bad = not (math.isfinite(loss) and all_finite(self.params))
+        if self.comm:  # rank 0's validation decides for all (one all-reduce)
+            bad = self.comm.lowest_rank_where(bad) is not None
+        if bad:  # a model that is not finite, or finite but broken: keep what was saved
+            raise Diverged(f"the parameters or the validation loss ({loss}) at update "
+                           f"{self.update} are not finite; no checkpoint was written for it "
+                           f"(those in {self.rd.path} are as saved at update "
+                           f"{self.saved_update})", speak=self.main)
         rec = {"update": self.update, "valid_loss": loss, "valid_ppl": math.exp(min(loss, 50)),
                "valid_bleu": bleu, "time": self.train_time}
         log.metrics(rec)
@@ -418,6 +439,7 @@ class Trainer:
                 self.best_bleu = bleu
                 self.save(self.rd.best)
                 self.save(self.rd.last)  # carries the new best_bleu
+        self.saved_update = self.update
 
     def test(self):
         """Score the test split with beam search: the best checkpoint, or an average."""
@@ -449,10 +471,11 @@ class Trainer:
 
 
 def main(argv=None, comm=None):
-    """train.py. Exit status: 0 trained (and tested), 2 a mistake in the flags, files or
-    data (refusals of flags and run directories raise SystemExit with the message; ``cli``
-    turns them into 2 as well), 3 training diverged, 128 + N stopped by signal N (130
-    Ctrl-C, 143 SIGTERM: the state is saved, --resume continues)."""
+    """train.py. Exit status: 0 trained (and tested); 1 out of memory; 2 a mistake in the
+    flags, files or data, or a path the run cannot use (refusals of flags and run
+    directories raise SystemExit with the message; ``cli`` turns them into 2 as well); 3
+    training diverged; 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM: the state is
+    saved, --resume continues)."""
     args = parse_args(argv)
     trainer = None
     try:
@@ -469,11 +492,18 @@ def main(argv=None, comm=None):
         return _fail(f"update {trainer.update + 1}: {exc}. The checkpoints in {args.run_dir} "
                      "are as the last validation or --save-every left them.", 3)
     except Diverged as exc:
-        return _fail(str(exc), 3)
-    except KeyboardInterrupt:
+        if comm is not None:  # every rank raised it, after the same collective decision
+            comm.agreed_stop = True
+        return _fail(str(exc), 3) if exc.speak else 3
+    except MemoryError:
+        where = "before training" if trainer is None else f"at update {trainer.update + 1}"
+        return _fail(f"out of memory {where}: lower --max-tokens (or --max-len); the "
+                     f"checkpoints in {args.run_dir} are intact (--resume continues)", 1)
+    except KeyboardInterrupt:  # (under mpiexec: status 1, so the other ranks are stopped)
         stage = "while setting up the run" if trainer is None else "while scoring the test set"
         return _fail(f"interrupted {stage}; what was saved in {args.run_dir} is intact (run "
-                     "the same command again; after training, --resume continues)", 130)
+                     "the same command again; after training, --resume continues)",
+                     130 if comm is None else 1)
     finally:
         if trainer is not None:
             trainer.rd.unlock()
