@@ -270,14 +270,18 @@ class Trainer:
 
     def train_update(self):
         """One update (mt/step.py) over the next ``--update-freq`` batches, this rank's share
-        of each under mpiexec. -> (loss_sum, tokens) over all ranks. An update whose float16
-        gradients overflowed is skipped: ``self.update`` does not advance."""
+        of each under mpiexec. -> (loss_sum, tokens) over all ranks. An update whose loss or
+        gradients are not finite is skipped: ``self.update`` does not advance (mt/guard.py)."""
         if self.comm:  # each rank its own dropout masks, a function of (seed, rank, update)
             self.model.rng.seed(self.comm.dropout_seed(self.args.seed, self.update))
         rng_state, batches = self.model.rng.get_state(), []
-        result = train_step(self.model, self.optim, self._update_batches(batches),
-                            self.lr_at(self.update + 1), scaler=self.scaler, comm=self.comm,
-                            clip_norm=self.args.clip_norm)
+        try:
+            result = train_step(self.model, self.optim, self._update_batches(batches),
+                                self.lr_at(self.update + 1), scaler=self.scaler,
+                                comm=self.comm, clip_norm=self.args.clip_norm)
+        except LossScaleCollapse as exc:  # float16's guard gave up (on every rank alike)
+            raise self._diverged(batches, rng_state, f"update {self.update + 1}: {exc}") \
+                from None
         if result.applied:
             self.update += 1
         if self.scaler is None and self.guard.record(result.applied):
@@ -295,28 +299,34 @@ class Trainer:
                 kept.append(collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id))
                 yield kept[-1]
 
-    def _diverged(self, batches, rng_state):
-        """Why training stops: the update, and the first op that made a NaN or an Inf (under
+    def _diverged(self, batches, rng_state, why=None):
+        """Why training stops (``why``: the float16 loss scaler's reason; else too many bad
+        updates in a row): the update, and the first op that made a NaN or an Inf (under
         mpiexec each rank replays its share; the lowest rank that finds the op speaks)."""
         found, where = first_bad_op(self.model, self.optim, batches, rng_state)
         speak = self.main
         if self.comm:
             first = self.comm.lowest_rank_where(found)
-            speak = self.rank == (0 if first is None else first)
+            speak, found = self.rank == (0 if first is None else first), first is not None
             where = where if first is None else f"on rank {first}, {where}"
-        elif not found:
+        elif not found and why is None:
             where = ("no op made a NaN or an Inf in the replay: the sum of the squared "
                      "gradients overflowed float32 (a gradient norm above about 1e19)")
         saved = (f"the checkpoints in {self.rd.path} are as saved at update "
                  f"{self.saved_update}" if self.saved_update is not None
                  else f"no checkpoint was written in {self.rd.path}")
+        if why is not None:  # float16 (the replay runs without the loss scale)
+            where = where if found else "every op stayed finite (the loss scale overflowed)"
+            return Diverged(f"{why}. Its batches replayed with every op checked, without the "
+                            f"loss scale: {where}. {saved[0].upper()}{saved[1:]}.",
+                            speak=speak)
         return Diverged(
-                f"training diverged: {self.guard.bad_in_a_row} updates in a row had a loss or "
-                f"gradient that is not finite (--max-bad-updates {self.args.max_bad_updates}); "
-                f"each was skipped. Update {self.update + 1}: {where}. Nothing of it reached "
-                f"the parameters or a checkpoint: {saved}. Lower --lr-factor, lengthen "
-                "--warmup or set --clip-norm, then start a new --run-dir, or --resume with the "
-                "new flags", speak=speak)
+            f"training diverged: {self.guard.bad_in_a_row} updates in a row had a loss or "
+            f"gradient that is not finite (--max-bad-updates {self.args.max_bad_updates}); "
+            f"each was skipped. Update {self.update + 1}: {where}. Nothing of it reached "
+            f"the parameters or a checkpoint: {saved}. Lower --lr-factor, lengthen "
+            "--warmup or set --clip-norm, then start a new --run-dir, or --resume with the "
+            "new flags", speak=speak)
 
     def validate(self):
         """Validation loss per token (no dropout) and greedy BLEU on the first N sentences."""
@@ -488,9 +498,6 @@ def main(argv=None, comm=None):
         return _fail(str(exc), 2)
     except OSError as exc:
         return _fail(describe_os_error(exc), 2)
-    except LossScaleCollapse as exc:
-        return _fail(f"update {trainer.update + 1}: {exc}. The checkpoints in {args.run_dir} "
-                     "are as the last validation or --save-every left them.", 3)
     except Diverged as exc:
         if comm is not None:  # every rank raised it, after the same collective decision
             comm.agreed_stop = True
