@@ -69,7 +69,8 @@ def test_first_bad_op_finds_the_op_in_a_models_batch():
     src = np.array([[5, 6, 7, 3]])
     batch = dict(src=src, tgt_in=np.array([[2, 5, 6]]), tgt_out=np.array([[5, 6, 3]]))
     found, where = first_bad_op(model, optim, [batch], model.rng.get_state())
-    assert found and where.startswith("in batch 1 of 1 (1 sentences, source length 4, target length 3)")
+    assert found
+    assert where.startswith("in batch 1 of 1 (1 sentences, source length 4, target length 3)")
     assert "forward made a NaN or Inf output from finite values" in where
     assert all(p.grad is None or not np.any(p.grad) for p in model.parameters())
 
@@ -81,3 +82,18 @@ def test_first_bad_op_says_so_when_every_op_is_finite():
                  tgt_out=np.array([[5, 3]]))
     found, where = first_bad_op(model, Adam(model.parameters()), [batch], model.rng.get_state())
     assert not found and "found no op that made a NaN or an Inf" in where
+
+
+def test_the_module_that_ran_the_op_is_named():
+    cfg = TransformerConfig(vocab_size=30, d_model=8, n_heads=2, d_ff=16, n_layers=2)
+    model = Transformer(cfg, seed=0)
+    w1 = dict(model.named_parameters())["decoder.1.ff.w1.weight"]
+    w1.data[...] = np.finfo(w1.dtype).max  # (post-norm: its input sums are not all 0)
+    args = np.array([[5, 6, 7, 3]]), np.array([[2, 5, 6]]), np.array([[5, 6, 3]])
+    with mt.detect_anomaly(model), pytest.raises(mt.AnomalyError) as err:
+        model.loss(*args)
+    assert err.value.module == "decoder.1.ff.w1" and err.value.phase == "forward"
+    assert "(in decoder.1.ff.w1)" in str(err.value)
+    with mt.detect_anomaly(), pytest.raises(mt.AnomalyError) as err:  # no root: no path
+        model.loss(*args)
+    assert err.value.module is None

@@ -1,16 +1,18 @@
 """Anomaly mode: find the first op that makes a NaN or an Inf.
 
     from minitransformer.engine import detect_anomaly
-    with detect_anomaly():
+    with detect_anomaly(model):    # (the model: its module paths go into the message)
         loss = model(...)          # each op's output is checked right after its forward
         loss.backward()            # each op's input gradients right after its backward
 
 Inside the block every Function's result is checked with ``isfinite``; the first one that
 holds a NaN or an Inf raises :class:`AnomalyError`, naming the Function, forward or backward,
 and the shapes and dtypes of what it was given (and whether that was already non-finite, in
-which case the values came from outside the tape: a parameter or the data). It costs one
-pass over every array and, on a GPU, a wait per op, so it is for finding a fault, not for
-training: train.py turns it on only to replay a batch whose loss or gradient was not finite.
+which case the values came from outside the tape: a parameter or the data). Given the root
+module, the message also names the module whose forward applied the op (``decoder.1.ff.w1``).
+It costs one pass over every array and, on a GPU, a wait per op, so it is for finding a
+fault, not for training: train.py turns it on only to replay a batch whose loss or gradient
+was not finite.
 """
 from __future__ import annotations
 
@@ -19,26 +21,50 @@ import contextlib
 from .. import backend
 
 _enabled = False
+_names = {}       # id(module) -> its path under the root given to detect_anomaly
+_modules = []     # the modules whose forward is running, innermost last
 
 
 class AnomalyError(FloatingPointError):
     """A NaN or Inf appeared; ``op`` (the Function's class name), ``phase`` ("forward" or
     "backward") and ``shapes`` (of its inputs) say where; the message says it in words."""
 
-    def __init__(self, message, op, phase, shapes):
+    def __init__(self, message, op, phase, shapes, module=None):
         super().__init__(message)
-        self.op, self.phase, self.shapes = op, phase, shapes
+        self.op, self.phase, self.shapes, self.module = op, phase, shapes, module
 
 
 @contextlib.contextmanager
-def detect_anomaly():
-    """Within the block, every op's forward output and backward gradients are checked."""
-    global _enabled
-    previous, _enabled = _enabled, True
+def detect_anomaly(root=None):
+    """Within the block, every op's forward output and backward gradients are checked.
+    ``root``: a Module (anything with ``named_modules``) whose paths name where an op ran."""
+    global _enabled, _names
+    previous = _enabled, _names
+    _enabled = True
+    _names = {} if root is None else {id(m): name or "(the model)"
+                                      for name, m in root.named_modules()}
     try:
         yield
     finally:
-        _enabled = previous
+        _enabled, _names = previous
+
+
+@contextlib.contextmanager
+def in_module(module):
+    """Module.__call__ wraps its forward in this while the mode is on."""
+    _modules.append(module)
+    try:
+        yield
+    finally:
+        _modules.pop()
+
+
+def current_module():
+    """The path of the innermost named module running, or None."""
+    for m in reversed(_modules):
+        if id(m) in _names:
+            return _names[id(m)]
+    return None
 
 
 def enabled():
@@ -58,17 +84,21 @@ def _describe(arrays):
 
 def _raise(fn, phase, given, what):
     name = type(fn).__name__
+    module = getattr(fn, "anomaly_module", None)
+    where = f" (in {module})" if module else ""
     shapes = [tuple(a.shape) for a in given if hasattr(a, "shape")]
     if all(_finite(a) for a in given):
         origin = f"{name} {phase} made {what} from finite values"
     else:
         origin = (f"{name} {phase} was given non-finite values (from outside the tape: a "
                   f"parameter or the data), and its {what} is not finite")
-    raise AnomalyError(f"{origin}; it was given {_describe(given)}", name, phase, shapes)
+    raise AnomalyError(f"{origin}{where}; it was given {_describe(given)}", name, phase, shapes,
+                       module)
 
 
 def check_forward(fn, inputs, output):
     """After ``fn.forward(*inputs)`` returned ``output`` (raw arrays)."""
+    fn.anomaly_module = current_module()  # (kept for its backward too)
     if not _finite(output):
         _raise(fn, "forward", inputs, "a NaN or Inf output")
 

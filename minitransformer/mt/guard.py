@@ -46,7 +46,7 @@ def first_bad_op(model, optim, batches, rng_state):
     model.train()
     done = 0
     try:
-        with detect_anomaly(), np.errstate(all="ignore"):
+        with detect_anomaly(model), np.errstate(all="ignore"):
             for b in batches:
                 loss, _ = model.loss(b["src"], b["tgt_in"], b["tgt_out"])
                 loss.backward()

@@ -4,7 +4,7 @@ import math
 import numpy as np
 
 from .. import backend
-from ..engine import ops
+from ..engine import anomaly, ops
 from ..engine.layernorm import layer_norm
 from ..engine.tensor import Tensor
 
@@ -16,7 +16,10 @@ class Module:
     training = True
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        if not anomaly.enabled():
+            return self.forward(*args, **kwargs)
+        with anomaly.in_module(self):  # (detect_anomaly names the module an op ran in)
+            return self.forward(*args, **kwargs)
 
     def named_children(self):
         for name, v in vars(self).items():
@@ -31,6 +34,12 @@ class Module:
         yield self
         for _, m in self.named_children():
             yield from m.modules()
+
+    def named_modules(self, prefix=""):
+        """(path, Module) of this module ("" or ``prefix``) and every module below it."""
+        yield prefix, self
+        for name, m in self.named_children():
+            yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
 
     def named_parameters(self, prefix=""):
         """(name, Tensor) pairs, each shared parameter once (under its first name)."""

@@ -1,0 +1,252 @@
+"""The CUDA source of the fused kernels (cuda_kernels.py compiles and launches them).
+
+``ROW_KERNELS_SOURCE``: C++ templates, one thread block per row, instantiated for each
+storage type in ``STORAGE_TYPES`` (``row_kernel_names``); ``ELEMENTWISE_SPECS``: the
+(in_params, out_params, operation, name) of each ``cupy.ElementwiseKernel``. Kept apart so
+that the Python that launches them reads on one screen, and so that the tests compile
+exactly this text (with NVRTC, and for the CPU in tests/cuda_on_cpu).
+"""
+import numpy as np
+
+MAX_THREADS = 512  # threads per block of a row kernel (a multiple of 32)
+
+# ---- CUDA source of the row kernels ------------------------------------------------------------
+# Self-contained (no #include), so NVRTC compiles it anywhere, with or without a GPU.
+ROW_KERNELS_SOURCE = r"""
+// Storage type T -> accumulator type A = Acc<T>::type, with load (T -> A) and store (A -> T).
+// float16 is stored as raw bits and converted with PTX cvt instructions (no cuda_fp16.h).
+struct f16 { unsigned short bits; };
+
+template <typename T> struct Acc;
+template <> struct Acc<float> {
+    typedef float type;
+    static __device__ float load(float v) { return v; }
+    static __device__ float store(float a) { return a; }
+    static __device__ float neg_inf() { return __int_as_float(0xff800000); }
+};
+template <> struct Acc<double> {
+    typedef double type;
+    static __device__ double load(double v) { return v; }
+    static __device__ double store(double a) { return a; }
+    static __device__ double neg_inf() { return __longlong_as_double(0xfff0000000000000LL); }
+};
+template <> struct Acc<f16> {
+    typedef float type;
+    static __device__ float load(f16 v) {
+        float a;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(v.bits));
+        return a;
+    }
+    static __device__ f16 store(float a) {
+        f16 v;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v.bits) : "f"(a));
+        return v;
+    }
+    static __device__ float neg_inf() { return __int_as_float(0xff800000); }
+};
+
+// ---- block-wide reductions ----
+// blockDim.x is a multiple of 32. Each warp reduces its 32 values with xor shuffles (after
+// which every lane holds the warp's result), warp results meet in shared[0..31], and every
+// warp reduces those: all threads return the same value, so no extra broadcast is needed.
+template <typename A> __device__ A warp_sum(A v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <typename A> __device__ A warp_max(A v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        A w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+template <typename A> __device__ A block_sum(A v, A* shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // a previous call may still be reading shared
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < (int)(blockDim.x >> 5) ? shared[lane] : A(0));
+}
+template <typename A> __device__ A block_max(A v, A* shared, A identity) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    return warp_max(lane < (int)(blockDim.x >> 5) ? shared[lane] : identity);
+}
+
+// ---- LayerNorm forward: one block per row of D; thread i handles j = i, i + blockDim, ... ----
+// mean = sum(x) / D, var = sum((x - mean)^2) / D (two passes), rstd = 1 / sqrt(var + eps),
+// x_hat = (x - mean) * rstd, y = x_hat * gamma + beta. gamma, beta and rstd are in the
+// accumulator type (float32 for float16 x: the master weights are not rounded to float16).
+template <typename T>
+__global__ void layer_norm_forward(const T* x, const typename Acc<T>::type* gamma,
+                                   const typename Acc<T>::type* beta, T* y, T* x_hat,
+                                   typename Acc<T>::type* rstd, int D, double eps) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    const long long off = (long long)blockIdx.x * D;
+    x += off; y += off; x_hat += off;
+    A sum = 0;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) sum += C::load(x[j]);
+    const A mean = block_sum(sum, shared) / A(D);
+    A sq = 0;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A c = C::load(x[j]) - mean;
+        sq += c * c;
+    }
+    const A var = block_sum(sq, shared) / A(D);
+    const A r = A(1) / sqrt(var + A(eps));
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A xh = (C::load(x[j]) - mean) * r;
+        x_hat[j] = C::store(xh);
+        y[j] = C::store(xh * gamma[j] + beta[j]);
+    }
+    if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+}
+
+// ---- LayerNorm backward (dx only): one block per row of D ----
+// dxh = dy * gamma,  dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat)).
+// rstd and gamma in the accumulator type, as the forward takes them.
+template <typename T>
+__global__ void layer_norm_backward(const T* dy, const T* x_hat, const typename Acc<T>::type* rstd,
+                                    const typename Acc<T>::type* gamma, T* dx, int D) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    const long long off = (long long)blockIdx.x * D;
+    dy += off; x_hat += off; dx += off;
+    A s1 = 0, s2 = 0;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A dxh = C::load(dy[j]) * gamma[j];
+        s1 += dxh;
+        s2 += dxh * C::load(x_hat[j]);
+    }
+    const A mean_dxh = block_sum(s1, shared) / A(D);
+    const A mean_dxh_xh = block_sum(s2, shared) / A(D);
+    const A r = rstd[blockIdx.x];
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A dxh = C::load(dy[j]) * gamma[j];
+        dx[j] = C::store(((dxh - mean_dxh) - C::load(x_hat[j]) * mean_dxh_xh) * r);
+    }
+}
+
+// ---- masked softmax, in place: one block per row of S ----
+// v = s + bias (bias read through element strides, so a broadcast view costs no copy),
+// m = max v (0 when not finite: a fully masked row), e = exp(v - m), z = sum e (1 when 0),
+// s = e / z. The row index is unravelled over the leading shape (n0, n1, n2, n3).
+template <typename T>
+__device__ typename Acc<T>::type biased(const T* row, const T* brow, long long bs, int j) {
+    return Acc<T>::load(row[j]) + (brow ? Acc<T>::load(brow[j * bs]) : typename Acc<T>::type(0));
+}
+
+template <typename T>
+__global__ void masked_softmax(T* s, const T* bias, int S, long long n1, long long n2,
+                               long long n3, long long b0, long long b1, long long b2,
+                               long long b3, long long bs, int has_bias) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    long long r = blockIdx.x;
+    T* row = s + r * S;
+    const T* brow = 0;
+    if (has_bias) {
+        const long long i3 = r % n3; r /= n3;
+        const long long i2 = r % n2; r /= n2;
+        const long long i1 = r % n1; r /= n1;
+        brow = bias + r * b0 + i1 * b1 + i2 * b2 + i3 * b3;
+    }
+    A m = C::neg_inf();
+    for (int j = threadIdx.x; j < S; j += blockDim.x) {
+        const A v = biased(row, brow, bs, j);
+        m = v > m ? v : m;
+    }
+    m = block_max(m, shared, C::neg_inf());
+    if (!isfinite(m)) m = A(0);  // every key masked: exp(-inf - 0) = 0, no NaN
+    A z = 0;
+    for (int j = threadIdx.x; j < S; j += blockDim.x) z += exp(biased(row, brow, bs, j) - m);
+    z = block_sum(z, shared);
+    if (z == A(0)) z = A(1);
+    for (int j = threadIdx.x; j < S; j += blockDim.x)
+        row[j] = C::store(exp(biased(row, brow, bs, j) - m) / z);
+}
+
+// ---- label-smoothed cross-entropy of one chunk of logits: one block per row of V ----
+// m = max z, s = sum exp(z - m), lse = m + log s,
+// loss = (lse - c_o * z_sum - c_d * z[t]) * valid  with c_d = c_t - c_o and z_sum = sum z
+// (or the caller's z_sum when has_z_sum). With want_grad, z becomes e' = exp(z - m) with
+// e'[t] -= c_d * s. Padding rows (valid = 0) use class 0 as target, like the NumPy code.
+template <typename T>
+__global__ void smoothed_ce_chunk(T* z, const long long* t, const bool* valid,
+                                  const typename Acc<T>::type* z_sum_in,
+                                  typename Acc<T>::type* row_loss, typename Acc<T>::type* s_out,
+                                  int V, double c_o, double c_d, int has_z_sum, int want_grad) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    const long long r = blockIdx.x;
+    T* row = z + r * V;
+    const bool ok = valid[r];
+    const long long tr = ok ? t[r] : 0;
+    const A z_t = C::load(row[tr]);  // read before any thread can overwrite the row
+    A m = C::neg_inf(), zs = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const A v = C::load(row[j]);
+        m = v > m ? v : m;
+        zs += v;
+    }
+    m = block_max(m, shared, C::neg_inf());
+    zs = block_sum(zs, shared);
+    A s = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const A e = exp(C::load(row[j]) - m);
+        s += e;
+        if (want_grad) row[j] = C::store(e);
+    }
+    s = block_sum(s, shared);  // its __syncthreads also publishes the writes of e
+    if (threadIdx.x == 0) {
+        const A lse = m + log(s);
+        const A z_sum = has_z_sum ? z_sum_in[r] : zs;
+        row_loss[r] = (lse - A(c_o) * z_sum - A(c_d) * z_t) * (ok ? A(1) : A(0));
+        s_out[r] = s;
+        if (want_grad) row[tr] = C::store(C::load(row[tr]) - A(c_d) * s);
+    }
+}
+"""
+
+ROW_KERNELS = ("layer_norm_forward", "layer_norm_backward", "masked_softmax", "smoothed_ce_chunk")
+STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float",
+                 np.dtype(np.float64): "double"}
+ROW_KERNEL_OPTIONS = ("--std=c++14",)
+
+
+def row_kernel_names():
+    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (12 of them)."""
+    return [f"{k}<{c}>" for k in ROW_KERNELS for c in STORAGE_TYPES.values()]
+
+
+# ---- elementwise kernels: (in_params, out_params, operation, name) for cupy.ElementwiseKernel --
+ELEMENTWISE_SPECS = {
+    # mask = [u >= rate] / (1 - rate),  y = x + f * mask   (ops.py Dropout on f, then x + f)
+    "dropout_residual": (
+        "T x, T f, T u, T rate, T scale",
+        "T y, T mask",
+        "mask = u >= rate ? scale : T(0);\n"
+        "y = x + f * mask;",
+        "minitransformer_dropout_residual"),
+    # g' = g + wd p;  m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2;
+    # p -= (lr / c1) m / (sqrt(v / c2) + eps)   (optim/adam.py, with inv_c2 = 1 / c2)
+    "adam_update": (
+        "T grad, T lr_c1, T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, "
+        "T inv_c2, T eps, T wd",
+        "T param, T m, T v",
+        "T g = grad;\n"
+        "if (wd != T(0)) g = g + wd * param;\n"
+        "m = beta1 * m + one_minus_beta1 * g;\n"
+        "v = beta2 * v + one_minus_beta2 * (g * g);\n"
+        "param = param - lr_c1 * m / (sqrt(v * inv_c2) + eps);",
+        "minitransformer_adam_update"),
+}
