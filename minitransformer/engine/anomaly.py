@@ -19,10 +19,10 @@ from __future__ import annotations
 import contextlib
 
 from .. import backend
+from . import scope
 
 _enabled = False
-_names = {}       # id(module) -> its path under the root given to detect_anomaly
-_modules = []     # the modules whose forward is running, innermost last
+_paths = None     # scope.module_paths of the root given to detect_anomaly, or None
 
 
 class AnomalyError(FloatingPointError):
@@ -38,33 +38,13 @@ class AnomalyError(FloatingPointError):
 def detect_anomaly(root=None):
     """Within the block, every op's forward output and backward gradients are checked.
     ``root``: a Module (anything with ``named_modules``) whose paths name where an op ran."""
-    global _enabled, _names
-    previous = _enabled, _names
-    _enabled = True
-    _names = {} if root is None else {id(m): name or "(the model)"
-                                      for name, m in root.named_modules()}
+    global _enabled, _paths
+    previous = _enabled, _paths
+    _enabled, _paths = True, (None if root is None else scope.module_paths(root))
     try:
         yield
     finally:
-        _enabled, _names = previous
-
-
-@contextlib.contextmanager
-def in_module(module):
-    """Module.__call__ wraps its forward in this while the mode is on."""
-    _modules.append(module)
-    try:
-        yield
-    finally:
-        _modules.pop()
-
-
-def current_module():
-    """The path of the innermost named module running, or None."""
-    for m in reversed(_modules):
-        if id(m) in _names:
-            return _names[id(m)]
-    return None
+        _enabled, _paths = previous
 
 
 def enabled():
@@ -84,7 +64,7 @@ def _describe(arrays):
 
 def _raise(fn, phase, given, what):
     name = type(fn).__name__
-    module = getattr(fn, "anomaly_module", None)
+    module = None if _paths is None else scope.path_of(getattr(fn, "module", None), _paths)
     where = f" (in {module})" if module else ""
     shapes = [tuple(a.shape) for a in given if hasattr(a, "shape")]
     if all(_finite(a) for a in given):
@@ -98,7 +78,6 @@ def _raise(fn, phase, given, what):
 
 def check_forward(fn, inputs, output):
     """After ``fn.forward(*inputs)`` returned ``output`` (raw arrays)."""
-    fn.anomaly_module = current_module()  # (kept for its backward too)
     if not _finite(output):
         _raise(fn, "forward", inputs, "a NaN or Inf output")
 

@@ -13,7 +13,7 @@ import itertools
 from typing import Any, Optional
 
 from .. import backend
-from . import anomaly
+from . import anomaly, scope
 
 _tape_counter = itertools.count()
 _grad_enabled = True
@@ -283,6 +283,7 @@ class Function:
     @classmethod
     def apply(cls, *inputs: Any, **options: Any) -> Tensor:
         fn = cls(**options)
+        fn.module = scope.current_module()  # the module whose forward applies it, or None
         tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
         out = fn.forward(*(t.data for t in tensors))
         if anomaly.enabled():  # (detect_anomaly: the first NaN or Inf names its op)

@@ -4,7 +4,7 @@ import math
 import numpy as np
 
 from .. import backend
-from ..engine import anomaly, ops
+from ..engine import ops, scope
 from ..engine.layernorm import layer_norm
 from ..engine.tensor import Tensor
 
@@ -16,10 +16,11 @@ class Module:
     training = True
 
     def __call__(self, *args, **kwargs):
-        if not anomaly.enabled():
+        scope.push(self)  # (each op applied in forward records this module: engine/scope.py)
+        try:
             return self.forward(*args, **kwargs)
-        with anomaly.in_module(self):  # (detect_anomaly names the module an op ran in)
-            return self.forward(*args, **kwargs)
+        finally:
+            scope.pop()
 
     def named_children(self):
         for name, v in vars(self).items():
