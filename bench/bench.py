@@ -39,16 +39,14 @@ if sys.argv[1:3] != ["--worker", "torch"]:
     minitransformer.configure_process()
 
 import argparse
-import cProfile
 import datetime
 import importlib.util
-import io
 import json
-import pstats
 import shutil
 import socket
 import subprocess
 import tempfile
+import textwrap
 import time
 import traceback
 
@@ -205,26 +203,29 @@ class OursRunner(Runner):
         return out
 
     def profile(self, steps=3, top=15):
-        prof = cProfile.Profile()
+        """``steps`` training steps under the package's profiler (engine/profiler.py): time,
+        FLOPs, GFLOP/s and MFU (against its own measured GEMM rate) per op and per module.
+        -> the ``top`` ops as rows, and both tables as text."""
+        from minitransformer.engine.profiler import Profiler
+        prof = Profiler(self.model)
         t0 = time.perf_counter()
         for i in range(steps):
             b = self.batches[i % len(self.batches)]
             self.step_count += 1
             lr = noam_lr(self.step_count, self.cfg["d_model"], WARMUP_LR_STEPS)
-            prof.enable()
-            self.step(b, lr)
-            self.sync()
-            prof.disable()
+            with prof:
+                self.step(b, lr)
+                self.sync()
         wall = time.perf_counter() - t0
-        s = io.StringIO()
-        st = pstats.Stats(prof, stream=s)
-        st.sort_stats("tottime").print_stats(top)
-        rows = []
-        for func, (_cc, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
-            where = _label(*func)
-            rows.append(dict(function=where, calls=nc, tottime=tt, cumtime=ct))
-        return dict(steps=steps, wall_seconds=wall, total_tt=st.total_tt, rows=rows,
-                    text=s.getvalue())
+        peak = prof.peak()
+        rows = [dict(function=name, calls=s.calls, forward_s=s.forward_s, backward_s=s.backward_s,
+                     tottime=s.seconds, cumtime=s.seconds, gflop=s.flops / 1e9,
+                     mfu=s.flops / s.seconds / 1e9 / peak if s.seconds > 0 else 0.0,
+                     mb=s.bytes / 1e6) for name, s in prof.rows("op")[:top]]
+        text = prof.table("op", top) + "\n\n" + prof.table("module", top, depth=3)
+        return dict(steps=steps, wall_seconds=wall, total_tt=prof.total_seconds(), rows=rows,
+                    text=text, profiler="minitransformer.engine.profiler", peak_gflops=peak,
+                    gflop=prof.total_flops() / 1e9)
 
     def reset(self):
         self.model.load_state_dict(np.load(self.args.init))
@@ -245,33 +246,6 @@ class OursRunner(Runner):
             return dict(gflops=common.gemm_gflops(cupy.matmul, make, n, 5, self.sync), n=n)
         n = n or 2048
         return dict(gflops=common.numpy_gemm_gflops(n), n=n)
-
-
-def _short(path):
-    for marker in ("minitransformer/", "site-packages/", "bench/"):
-        if marker in path:
-            return path[path.index(marker):]
-    return os.path.basename(path)
-
-
-_classes = {}
-
-
-def _label(path, line, name):
-    """'engine/ops.py:230 Linear.backward': the enclosing class named, since every op's
-    methods are called forward/backward."""
-    if not line:
-        return name
-    if path not in _classes:
-        import ast
-        try:
-            tree = ast.parse(open(path).read())
-            _classes[path] = [(n.lineno, n.end_lineno, n.name) for n in ast.walk(tree)
-                              if isinstance(n, ast.ClassDef)]
-        except (OSError, SyntaxError):
-            _classes[path] = []
-    owner = [c for lo, hi, c in _classes[path] if lo <= line <= hi]
-    return f"{_short(path)}:{line} {owner[-1] + '.' if owner else ''}{name}"
 
 
 class TorchRunner(Runner):
@@ -581,8 +555,10 @@ def run_config(name, args, machine, peak):
             workers.pop(fw).close()
 
         if args.profile and name in args.profile:
-            print("   profiling 3 training steps of ours with cProfile ...", flush=True)
+            print("   profiling 3 training steps of ours (minitransformer's profiler) ...",
+                  flush=True)
             res["profile"] = workers["ours"]("profile", steps=3, top=15)
+            print(textwrap.indent(res["profile"]["text"], "   "), flush=True)
 
         res["gemm"] = {fw: workers[fw]("gemm", n=args.gemm_size) for fw in frameworks}
 
@@ -756,7 +732,8 @@ def parse_args(argv=None):
     p.add_argument("--no-torch", dest="torch", action="store_false",
                    help="measure minitransformer only")
     p.add_argument("--profile", nargs="*", default=["tiny"], metavar="CONFIG",
-                   help="configs whose training step is profiled with cProfile (default tiny; "
+                   help="configs whose training step is profiled, op by op and module by "
+                        "module (minitransformer's profiler: time, GFLOP/s, MFU; default tiny; "
                         "give none to skip)")
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"),
                    help="report to write; raw results go to results/ beside it")

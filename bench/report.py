@@ -230,6 +230,8 @@ def details(r):
 
 def profile(r):
     p = r["profile"]
+    if p.get("profiler"):  # the package's profiler (engine/profiler.py); older results: cProfile
+        return _op_profile(r, p)
     lines = [f"### Where our training step spends its time ({r['config']}, {_where(r)})", "",
              f"cProfile over {p['steps']} training steps (forward, backward, Adam), top "
              f"{len(p['rows'])} functions by own time (tottime: time in the function itself, "
@@ -243,6 +245,25 @@ def profile(r):
     for row in p["rows"]:
         lines.append(f"| `{row['function']}` | {row['calls']} | {row['tottime']:.3f} | "
                      f"{100 * row['tottime'] / p['total_tt']:.1f}% | {row['cumtime']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _op_profile(r, p):
+    """The profile section from the package's profiler: per op, forward and backward time,
+    FLOPs and MFU against the measured GEMM rate."""
+    lines = [f"### Where our training step spends its time ({r['config']}, {_where(r)})", "",
+             f"`minitransformer.profile` over {p['steps']} training steps (forward, backward, "
+             f"Adam): {p['total_tt']:.2f} s inside ops of {p['wall_seconds']:.2f} s, "
+             f"{p['gflop']:.1f} GFLOP; MFU against this device's measured GEMM rate "
+             f"({p['peak_gflops']:.0f} GFLOP/s). The pre-softmax projection h E^T (D x V) is "
+             f"{100 * _out_share(r['model']):.0f}% of this model's matmul FLOPs per token; it is "
+             f"counted in `LinearCrossEntropy` where projection and loss are fused.", "",
+             "| op | calls | forward s | backward s | share | GFLOP | MFU |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in p["rows"]:
+        lines.append(f"| `{row['function']}` | {row['calls']} | {row['forward_s']:.3f} | "
+                     f"{row['backward_s']:.3f} | {100 * row['tottime'] / p['total_tt']:.1f}% | "
+                     f"{row['gflop']:.2f} | {100 * row['mfu']:.0f}% |")
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "Tensor": "engine", "Function": "engine", "gradcheck": "engine", "GradcheckError": "engine",
     "no_grad": "engine", "detect_anomaly": "engine", "AnomalyError": "engine",
+    "explain": "engine.explain", "to_dot": "engine.explain", "render": "engine.explain",
+    "profile": "engine",
+    "Profiler": "engine",
     "Generator": "backend", "cupy_available": "backend",
     "get_array_module": "backend", "to_numpy": "backend",
     "engine": None, "nn": None, "optim": None, "functional": None, "backend": None,

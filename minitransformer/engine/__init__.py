@@ -2,6 +2,7 @@
 from .anomaly import AnomalyError, detect_anomaly
 from .attention import ScaledDotProductAttention, scaled_dot_product_attention
 from .cross_entropy import SoftmaxCrossEntropy, softmax_cross_entropy
+from .profiler import Profiler, profile
 from .gradcheck import GradcheckError, gradcheck
 from .layernorm import LayerNorm, layer_norm
 from .linear_cross_entropy import LinearCrossEntropy, linear_cross_entropy

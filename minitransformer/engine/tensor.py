@@ -17,6 +17,7 @@ from . import anomaly, scope
 
 _tape_counter = itertools.count()
 _grad_enabled = True
+_profiler = None  # the active profiler.Profiler (set by it while active), or None
 
 
 @contextlib.contextmanager
@@ -201,7 +202,10 @@ def _backward_through(node, g_out, grads):
         raise RuntimeError(f"second backward through {type(node).__name__}: its saved "
                            "arrays were released by the first backward; run the "
                            "forward pass again to build a new graph")
-    g_in = node.backward(g_out)
+    if _profiler is None:
+        g_in = node.backward(g_out)
+    else:  # (profiler.profile: this backward timed, its FLOPs and bytes counted)
+        g_in = _profiler.backward(node, g_out)
     if not isinstance(g_in, tuple):
         g_in = (g_in,)
     if anomaly.enabled():
@@ -247,11 +251,13 @@ def as_tensor(x, like=None):
 
 
 class _Edge:
-    """What the tape walk needs of a non-leaf (or constant) input: its node and shape, no data."""
-    __slots__ = ("node", "shape", "requires_grad")
+    """What the tape walk needs of a non-leaf (or constant) input: its node, shape and dtype
+    (for the tape listing), no data."""
+    __slots__ = ("node", "shape", "dtype", "requires_grad")
 
     def __init__(self, t):
         self.node, self.shape, self.requires_grad = t.node, t.shape, t.requires_grad
+        self.dtype = t.dtype
 
 
 class Function:
@@ -285,7 +291,10 @@ class Function:
         fn = cls(**options)
         fn.module = scope.current_module()  # the module whose forward applies it, or None
         tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
-        out = fn.forward(*(t.data for t in tensors))
+        if _profiler is None:
+            out = fn.forward(*(t.data for t in tensors))
+        else:  # (profiler.profile: this forward timed, its FLOPs and bytes counted)
+            out = _profiler.forward(fn, tensors)
         if anomaly.enabled():  # (detect_anomaly: the first NaN or Inf names its op)
             anomaly.check_forward(fn, [t.data for t in tensors], out)
         out = Tensor(out)

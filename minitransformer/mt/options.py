@@ -33,8 +33,11 @@ MODEL_RANGES = {"d_model": ">= 1", "n_heads": ">= 1", "d_ff": ">= 1", "n_layers"
                 "dropout": "[0, 1)", "attention_dropout": "[0, 1)", "relu_dropout": "[0, 1)",
                 "label_smoothing": "[0, 1)", "max_positions": ">= 2"}
 
+# --profile N: updates run before the N profiled ones (the first are slower: memory, caches)
+PROFILE_WARMUP = 5
+
 # options that describe this process, not the run: never saved in config.json
-PER_PROCESS = {"config", "resume", "run_dir", "device", "no_progress"}
+PER_PROCESS = {"config", "resume", "run_dir", "device", "no_progress", "profile"}
 
 
 def build_parser():
@@ -151,7 +154,8 @@ def _budget_flags(g):
 
 
 def _run_flags(g):
-    """The run directory, validation, checkpoints, logging, the final test and the device."""
+    """The run directory, validation, checkpoints, logging, the profiler, the final test and
+    the device."""
     g.add_argument("--run-dir", default="runs/default")
     g.add_argument("--resume", action="store_true",
                    help="continue from RUN_DIR/checkpoint_last.npz exactly where it stopped")
@@ -165,6 +169,12 @@ def _run_flags(g):
                help="periodic checkpoints kept (0 = all)")
     add_number(g, "--log-every", int, ">= 1", default=50)
     g.add_argument("--no-progress", action="store_true", help="plain log lines, no tqdm bar")
+    add_number(g, "--profile", int, ">= 1", default=None, metavar="N",
+               help=f"instead of training: run {PROFILE_WARMUP} warm-up updates, then N "
+                    "updates under the profiler, print where their time goes (per op and per "
+                    "module: time, GFLOP/s, MFU, memory traffic) and stop, writing no "
+                    "checkpoint or metrics (with --resume: profiles the run where it stands "
+                    "and leaves its files as they are)")
     add_number(g, "--beam", int, ">= 1", default=4, help="beam size for the final test score")
     add_number(g, "--alpha", float, ">= 0", default=0.6, help="GNMT length penalty")
     add_number(g, "--average-last", int, ">= 0", default=0,

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from .. import backend
+from ..engine.profiler import Profiler
 from ..engine.tensor import no_grad
 from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
 from ..optim import Adam, DynamicLossScaler, LossScaleCollapse, linear_decay_lr, noam_lr
@@ -25,7 +26,7 @@ from .data import Batches, DataError, collate, overlong_pairs, read_parallel
 from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
 from .log import Log, StopSignals
-from .options import (MODEL_FLAGS, check_options, fill_defaults, parse_args,
+from .options import (MODEL_FLAGS, PROFILE_WARMUP, check_options, fill_defaults, parse_args,
                       restore_for_resume, run_options)
 from .rundir import RunDir, RunDirBusy
 from .step import train_step
@@ -119,7 +120,7 @@ class Trainer:
         if a.resume:
             self._load(self.rd.last)
             self.saved_update = self.update
-            if self.main:  # the log lines of updates after the checkpoint come again
+            if self.main and not a.profile:  # the log lines after the checkpoint come again
                 self.rd.trim_metrics(self.update)
         if self.comm is not None:
             self.comm.broadcast_params(self.params)
@@ -328,6 +329,24 @@ class Trainer:
             "--warmup or set --clip-norm, then start a new --run-dir, or --resume with the "
             "new flags", speak=speak)
 
+    def profile(self):
+        """--profile N: PROFILE_WARMUP updates, then N updates under the profiler
+        (engine/profiler.py), whose tables rank 0 prints, by op and by module; then the run
+        stops. Nothing is saved (no checkpoint, no metrics): the updates change this
+        process's copy of the model only. -> 0, the exit status."""
+        self.batch_iter = iter(self.batches)
+        for _ in range(PROFILE_WARMUP):
+            self.train_update()
+        with Profiler(self.model) as prof:
+            for _ in range(self.args.profile):
+                self.train_update()
+        n = self.args.profile
+        self._log_early(f"profile of {n} update{'s' if n > 1 else ''} after {PROFILE_WARMUP} "
+                        f"warm-up updates ({self.device}, {self.args.precision}), by op:\n"
+                        f"{prof.table(by='op')}\n\nby module (3 levels of the path):\n"
+                        f"{prof.table(by='module', depth=3)}")
+        return 0
+
     def validate(self):
         """Validation loss per token (no dropout) and greedy BLEU on the first N sentences."""
         loss_sum, n_tok = 0.0, 0
@@ -490,6 +509,8 @@ def main(argv=None, comm=None):
     trainer = None
     try:
         trainer = Trainer(args, comm)
+        if args.profile:  # the profile's tables instead of training (Trainer.profile)
+            return trainer.profile()
         if not trainer.run():
             return 128 + trainer.stopped_by
         if trainer.main:
@@ -507,7 +528,8 @@ def main(argv=None, comm=None):
         return _fail(f"out of memory {where}: lower --max-tokens (or --max-len); the "
                      f"checkpoints in {args.run_dir} are intact (--resume continues)", 1)
     except KeyboardInterrupt:  # (under mpiexec: status 1, so the other ranks are stopped)
-        stage = "while setting up the run" if trainer is None else "while scoring the test set"
+        stage = ("while setting up the run" if trainer is None else "while profiling"
+                 if args.profile else "while scoring the test set")
         return _fail(f"interrupted {stage}; what was saved in {args.run_dir} is intact (run "
                      "the same command again; after training, --resume continues)",
                      130 if comm is None else 1)
