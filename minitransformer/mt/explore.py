@@ -47,14 +47,13 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .. import backend
-from ..engine.tensor import no_grad
 from ..nn.transformer import Transformer
-from .plots import attention_labels
+from .plots import attention_labels, record_attention_pass
 from .ranges import add_number
 from .search import beam_search
 from .tokenizer import Tokenizer
-from .translate import (USER_ERROR, UsageError, _load_for_translation, _say, check_device,
-                        check_run_dir)
+from .translate import (USER_ERROR, UsageError, add_search_flags, check_device, check_run_dir,
+                        load_for_translation, say)
 from .translation import max_source_tokens
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "explore.html")
@@ -84,24 +83,11 @@ def record_attention(model: Transformer, src_ids: list[int],
     """Attention maps of one teacher-forced pass of source ``src_ids`` + EOS and decoder
     input BOS + ``out_ids`` -> {"encoder" (H, S, S), "decoder" (H, T, T), "cross" (H, T, S):
     one host array a layer}, S = len(src_ids) + 1, T = len(out_ids) + 1. Recorded as
-    plots.attention_maps does: eval mode, the model's attention store switched on for the
-    pass and off again, the model's training mode restored."""
-    cfg = model.cfg
-    src = np.array([list(src_ids) + [cfg.eos_id]], dtype=np.int64)  # (1, S)
-    tgt = np.array([[cfg.bos_id] + list(out_ids)], dtype=np.int64)  # (1, T)
-    was_training, store = model.training, {}
-    try:
-        model.eval()  # no dropout in the recorded pass
-        model.set_attention_store(store)
-        with no_grad():
-            memory, src_mask = model.encode(src)
-            model.decode(tgt, memory, src_mask)
-    finally:
-        model.set_attention_store(None)
-        model.train(was_training)
+    plots.record_attention_pass (eval mode, the model's mode restored after)."""
+    store = record_attention_pass(model, src_ids, out_ids)
     layers = {"encoder": len(model.encoder), "decoder": len(model.decoder),
               "cross": len(model.decoder)}
-    return {kind: [store[key.format(i=i)][0][0] for i in range(layers[kind])]  # row 0 of (B,...)
+    return {kind: [store[key.format(i=i)] for i in range(layers[kind])]
             for kind, key in ATTENTION.items()}
 
 
@@ -377,13 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     add_number(p, "--port", int, "[0, 65535]", default=8000, help="0 = any free port")
-    add_number(p, "--beam", int, ">= 1", default=4, help="beam size (alternatives shown)")
-    add_number(p, "--alpha", float, ">= 0", default=0.6, help="GNMT length penalty exponent")
-    p.add_argument("--length-penalty", default="gnmt", choices=["gnmt", "power"],
-                   help="gnmt: ((5 + length) / 6) ** alpha; power: length ** alpha "
-                        "(default gnmt)")
-    add_number(p, "--max-len-a", int, ">= 0", default=50,
-               help="maximum output length = source length + this")
+    add_search_flags(p)  # the same search as translate.py
     add_number(p, "--max-chars", int, ">= 1", default=500,
                help="longest input accepted, in characters")
     p.add_argument("--device", default=None, help="cpu or cuda (default: $MINITRANSFORMER_DEVICE)")
@@ -395,7 +375,7 @@ def start(args: argparse.Namespace) -> ExploreServer:
     device = args.device or backend.default_device()
     check_device(device)
     check_run_dir(args)
-    model, tok, what = _load_for_translation(args, device)
+    model, tok, what = load_for_translation(args, device)
     explorer = Explorer(model, tok, what, beam=args.beam, alpha=args.alpha,
                         max_len_a=args.max_len_a, max_chars=args.max_chars,
                         length_penalty=args.length_penalty)
@@ -414,16 +394,16 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         server = start(args)
     except UsageError as exc:
-        _say(f"error: {exc}")
+        say(f"error: {exc}")
         return USER_ERROR
     if args.host not in ("127.0.0.1", "localhost", "::1"):
-        _say(f"warning: --host {args.host}: other machines may reach this server, which has "
+        say(f"warning: --host {args.host}: other machines may reach this server, which has "
              "no authentication")
     print(f"serving {server.explorer.what} at {server.url}  (Ctrl-C to stop)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        _say("stopped")
+        say("stopped")
     finally:
         server.server_close()
     return 0

@@ -117,6 +117,28 @@ def attention_labels(tokenizer, src_ids, out_ids):
     return src, tgt
 
 
+def record_attention_pass(model, src_ids, out_ids):
+    """The attention of one teacher-forced pass over source ``src_ids`` + EOS and decoder
+    input BOS + ``out_ids``, in eval mode (no dropout), the model's mode restored after:
+    -> {"encoder.{i}.self_attn": (H, S, S), "decoder.{i}.self_attn": (H, T, T),
+    "decoder.{i}.cross_attn": (H, T, S)} host arrays, S = len(src_ids) + 1, T = len(out_ids) + 1.
+    """
+    cfg = model.cfg
+    src = np.array([list(src_ids) + [cfg.eos_id]], dtype=np.int64)  # (1, S)
+    tgt_in = np.array([[cfg.bos_id] + list(out_ids)], dtype=np.int64)  # (1, T)
+    was_training, store = model.training, {}
+    try:
+        model.eval()
+        model.set_attention_store(store)
+        with no_grad():
+            memory, src_mask = model.encode(src)
+            model.decode(tgt_in, memory, src_mask)
+    finally:
+        model.set_attention_store(None)
+        model.train(was_training)
+    return {name: arrays[0][0] for name, arrays in store.items()}  # one pass: row 0
+
+
 def attention_maps(model, tokenizer, line, max_len_a=50):
     """Translate ``line`` greedily (at most source length + ``max_len_a`` tokens), then record
     the attention of one teacher-forced pass.
@@ -126,24 +148,13 @@ def attention_maps(model, tokenizer, line, max_len_a=50):
                  "decoder.{i}.cross_attn": (H, T, S)}}
     with S = source pieces + EOS and T = BOS + output pieces.
     """
-    cfg = model.cfg
     src_ids = tokenizer.encode([line])[0]
-    src = np.array([src_ids + [cfg.eos_id]], dtype=np.int64)  # (1, S)
+    src = np.array([src_ids + [model.cfg.eos_id]], dtype=np.int64)  # (1, S)
     was_training = model.training
-    store = {}
-    try:
-        out_ids = greedy_search(model, src, max_len_a=max_len_a)[0]  # switches to eval mode
-        tgt_in = np.array([[cfg.bos_id] + out_ids], dtype=np.int64)  # (1, T)
-        model.eval()  # no dropout in the recorded pass
-        model.set_attention_store(store)
-        with no_grad():
-            memory, src_mask = model.encode(src)
-            model.decode(tgt_in, memory, src_mask)
-    finally:
-        model.set_attention_store(None)
-        model.train(was_training)
+    out_ids = greedy_search(model, src, max_len_a=max_len_a)[0]  # (switches to eval mode)
+    model.train(was_training)
+    maps = record_attention_pass(model, src_ids, out_ids)
     src_labels, tgt_labels = attention_labels(tokenizer, src_ids, out_ids)
-    maps = {name: arrays[0][0] for name, arrays in store.items()}  # one pass: (H, T, S) of row 0
     return {"source": line, "src_ids": src_ids, "out_ids": out_ids, "src_labels": src_labels,
             "tgt_labels": tgt_labels, "maps": maps}
 

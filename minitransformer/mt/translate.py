@@ -28,6 +28,19 @@ INTERRUPTED = 128 + signal.SIGINT    # 130, as a shell reports a Ctrl-C
 BROKEN_PIPE = 128 + signal.SIGPIPE   # 141, as a shell reports `... | head`
 
 
+def add_search_flags(p):
+    """--beam, --alpha, --length-penalty, --max-len-a: how translate.py (and the explorer)
+    search."""
+    add_number(p, "--beam", int, ">= 1", default=4, help="beam size; 1 = greedy")
+    add_number(p, "--alpha", float, ">= 0", default=0.6, help="GNMT length penalty exponent")
+    p.add_argument("--length-penalty", default="gnmt", choices=["gnmt", "power"],
+                   help="gnmt: ((5 + length) / 6) ** alpha; power: length ** alpha "
+                        "(default gnmt)")
+    add_number(p, "--max-len-a", int, ">= 0", default=50,
+               help="maximum output length = source length + this (never more than the "
+                    "model's positions allow)")
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="translate.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,14 +54,7 @@ def build_parser():
                     "0 = don't)")
     p.add_argument("--input", default="-", help="text file, one sentence per line "
                                                 "(default '-' = stdin)")
-    add_number(p, "--beam", int, ">= 1", default=4, help="beam size; 1 = greedy")
-    add_number(p, "--alpha", float, ">= 0", default=0.6, help="GNMT length penalty exponent")
-    p.add_argument("--length-penalty", default="gnmt", choices=["gnmt", "power"],
-                   help="gnmt: ((5 + length) / 6) ** alpha; power: length ** alpha "
-                        "(default gnmt)")
-    add_number(p, "--max-len-a", int, ">= 0", default=50,
-               help="maximum output length = source length + this (never more than the "
-                    "model's positions allow)")
+    add_search_flags(p)
     add_number(p, "--max-tokens", int, ">= 1", default=4096, help="source tokens per batch")
     p.add_argument("--reference", help="reference file: print sacreBLEU and its signature "
                                        "to stderr")
@@ -189,7 +195,7 @@ def _stdout_to_devnull():
         pass
 
 
-def _say(message):
+def say(message):
     """One line on stderr; nothing when stderr is closed (the exit code says the rest)."""
     if sys.stderr is None:  # (print(file=None) would write to stdout, into the output)
         return
@@ -200,7 +206,7 @@ def _say(message):
 
 
 def _error(message):
-    _say(f"error: {message}")
+    say(f"error: {message}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -212,7 +218,7 @@ def translate(args):
                          "redirect it to a file, e.g. `> out.txt`")
     device = args.device or backend.default_device()
     lines, refs = _check_and_read(args, device)
-    model, tok, what = _load_for_translation(args, device)
+    model, tok, what = load_for_translation(args, device)
     if args.plot_attention:
         _plot_inputs(args, model, tok, lines)
     warn = _truncation_warning(_input_name(args), model.cfg)
@@ -223,7 +229,7 @@ def translate(args):
         return MACHINE_ERROR
     if refs is not None:
         bleu, sig = corpus_bleu(hyps, refs)
-        _say(f"BLEU = {bleu:.2f}  ({what}, beam {args.beam})  {sig}")
+        say(f"BLEU = {bleu:.2f}  ({what}, beam {args.beam})  {sig}")
     return 0
 
 
@@ -248,7 +254,7 @@ def _check_and_read(args, device):
     return lines, refs
 
 
-def _load_for_translation(args, device):
+def load_for_translation(args, device):
     """load_model with the command line's run and checkpoints, its errors as UsageErrors."""
     try:
         return load_model(args.run_dir, args.checkpoint, args.average_last, device)
@@ -261,7 +267,7 @@ def _load_for_translation(args, device):
 def _truncation_warning(name, cfg):
     """-> the on_truncate of translate_lines: a warning naming the input line that was cut."""
     def warn(index, n_tokens, n_kept):
-        _say(f"warning: {name}, line {index + 1}: {n_tokens} tokens, more than the "
+        say(f"warning: {name}, line {index + 1}: {n_tokens} tokens, more than the "
              f"{n_kept} the model can attend to (max_positions {cfg.max_positions}, "
              f"less EOS); translating the first {n_kept}, the rest is dropped")
     return warn
@@ -276,7 +282,7 @@ def _plot_inputs(args, model, tok, lines):
     fits = [line for line, ids in zip(candidates, tok.encode(candidates))
             if len(ids) <= limit]
     if len(fits) < len(candidates):
-        _say(f"--plot-attention: leaving out {len(candidates) - len(fits)} line(s) longer "
+        say(f"--plot-attention: leaving out {len(candidates) - len(fits)} line(s) longer "
              f"than the model's {limit} source positions")
     try:
         written = plot_attention(model, tok, fits, args.plot_attention,
@@ -287,7 +293,7 @@ def _plot_inputs(args, model, tok, lines):
         raise UsageError(f"--plot-attention {args.plot_attention}: cannot write the "
                          f"heatmaps ({exc.strerror or exc}); give a directory you can "
                          "write to") from None
-    _say(f"wrote {len(written)} attention heatmaps to {args.plot_attention}")
+    say(f"wrote {len(written)} attention heatmaps to {args.plot_attention}")
 
 
 def _write_translations(hyps):
