@@ -50,10 +50,25 @@ def save_checkpoint(path, model, optimizer=None, meta=None):
     atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
+def check_npz(path):
+    """Raise CheckpointError (its message starting with ``path``) unless ``path`` starts like
+    the zip archive every .npz checkpoint is (a clearer message than NumPy's for a file
+    that is not one)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if head != b"PK\x03\x04":
+        raise CheckpointError(f"{path}: not an .npz checkpoint (damaged, or another kind of "
+                              "file); use a checkpoint_*.npz file that train.py wrote")
+
+
 def load_checkpoint(path):
     """-> (params dict, optimizer arrays dict, meta dict). Clear errors for bad files."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
+    check_npz(path)
     try:
         with np.load(path, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}

@@ -79,9 +79,6 @@ def load_model(run_dir, checkpoints=None, average_last=0, device="cpu"):
     rd.require_spm_model()
     if average_last or not checkpoints:  # (--average-last wins over --checkpoint)
         checkpoints = rd.choose_checkpoints(average_last)
-    for c in checkpoints:
-        if os.path.isfile(c):  # (a missing one: load_params says so)
-            check_npz(c)
     try:
         params, meta, what = rd.load_params(checkpoints)
         config = TransformerConfig.from_dict(meta["config"])
@@ -105,21 +102,6 @@ def load_model(run_dir, checkpoints=None, average_last=0, device="cpu"):
 
 
 # ----------------------------------------------------------------------------- checks
-
-def check_npz(path):
-    """Raise CheckpointError (its message starting with ``path``) unless ``path`` starts like
-    the zip archive every .npz checkpoint is (a clearer message than NumPy's for a file
-    that is not one)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as exc:
-        raise ckpt.CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    if head != b"PK\x03\x04":
-        raise ckpt.CheckpointError(f"{path}: not an .npz checkpoint (damaged, or another kind "
-                                   "of file); use a checkpoint_*.npz file that train.py wrote "
-                                   "(--checkpoint FILE)")
-
 
 def check_device(device):
     """-> the array module for ``device``; UsageError naming --device when it cannot run."""
@@ -153,7 +135,7 @@ def check_run_dir(args):
             if not os.path.isfile(c):
                 raise UsageError(f"--checkpoint {c}: not a file; give a checkpoint_*.npz file")
             try:
-                check_npz(c)
+                ckpt.check_npz(c)
             except ckpt.CheckpointError as exc:
                 raise UsageError(f"--checkpoint {exc}") from None
     elif not (os.path.isfile(rd.best) or os.path.isfile(rd.last)):
