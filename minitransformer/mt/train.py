@@ -235,19 +235,18 @@ class Trainer:
             meta["loss_scale"] = self.scaler.state_dict()
         return meta
 
-    def save(self, path):
-        """The whole training state into checkpoint ``path`` (rank 0 only); never a model
-        whose parameters are not finite (-> Diverged on every rank, which hold the same
-        parameters, so they decide alike; nothing written)."""
+    def save(self, *paths):
+        """The whole training state into each checkpoint of ``paths`` (rank 0 only); never a
+        model whose parameters are not finite (-> Diverged on every rank, which hold the
+        same parameters, so they decide alike; nothing written)."""
         if not all_finite(self.params):
-            raise Diverged(f"the parameters are not finite at update {self.update}; {path} was "
-                           "not written (the checkpoints saved before are as they were)",
-                           speak=self.main)
+            raise Diverged(f"the parameters are not finite at update {self.update}; "
+                           f"{', '.join(paths)} not written (the checkpoints saved before are "
+                           "as they were)", speak=self.main)
         self.saved_update = self.update  # (on every rank: for the divergence message)
-        if not self.main:
-            return
-        ckpt.save_checkpoint(path, self.model, self.optim, self._meta())
-        return path
+        if self.main:
+            for path in paths:
+                ckpt.save_checkpoint(path, self.model, self.optim, self._meta())
 
     def _load(self, path):
         params, optim, meta = ckpt.load_checkpoint(path)
@@ -441,8 +440,7 @@ class Trainer:
         if self.valid is not None and self.update % a.valid_every == 0:
             self._validate_and_save(log)
         elif a.save_every and self.update % a.save_every == 0:
-            self.save(self.rd.periodic(self.update))
-            self.save(self.rd.last)
+            self.save(self.rd.periodic(self.update), self.rd.last)
             self.rd.prune(a.keep_last)
 
     def _validate_and_save(self, log):
@@ -461,13 +459,11 @@ class Trainer:
         log.info(f"valid update {self.update}: loss {loss:.3f} ppl {rec['valid_ppl']:.2f} "
                  f"BLEU {bleu:.2f}")
         if self.main:
-            self.save(self.rd.periodic(self.update))
-            self.save(self.rd.last)
+            self.save(self.rd.periodic(self.update), self.rd.last)
             self.rd.prune(self.args.keep_last)
             if bleu > self.best_bleu:
                 self.best_bleu = bleu
-                self.save(self.rd.best)
-                self.save(self.rd.last)  # carries the new best_bleu
+                self.save(self.rd.best, self.rd.last)  # (last carries the new best_bleu)
         self.saved_update = self.update
 
     def test(self):
