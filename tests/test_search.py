@@ -45,18 +45,18 @@ def test_incremental_scores_equal_a_fresh_decode(model):
     assert state.offset == 4 and state.rows == 3
 
 
-def test_kept_rows_and_reordered_histories_continue_correctly(model):
+def test_kept_sentences_and_reordered_beams_continue_correctly(model):
     src = _src()
     rng = np.random.default_rng(2)
     history = rng.integers(4, 30, (6, 3))  # each beam its own tokens
     history[:, 0] = CFG.bos_id
-    state = model.start_decoding(src)
-    state.keep_rows(np.array([0, 0, 1, 1, 2, 2]))  # two beams a sentence
+    state = model.start_decoding(src, beams=2)  # two beams a sentence: rows 2b, 2b + 1
+    assert state.rows == 6 and state.sentences == 3
     _feed(model, state, history)
     # sentence 1 finishes; then both beams of sentence 0 continue its beam 1, and the beams
     # of sentence 2 swap
-    state.keep_rows(np.array([0, 1, 4, 5]))
-    state.reorder_history(np.array([1, 1, 3, 2]))
+    state.keep_sentences(np.array([0, 2]))
+    state.reorder_beams(np.array([1, 1, 3, 2]))
     nxt = rng.integers(4, 30, (4, 1))
     got = model.next_scores(nxt, state, log_probs=True)
     beams = np.array([1, 1, 5, 4])  # the original row whose history each row continues
@@ -65,3 +65,37 @@ def test_kept_rows_and_reordered_histories_continue_correctly(model):
                                 .sum(1, keepdims=True)) - want_logits.max(1, keepdims=True)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
     assert state.rows == 4 and state.offset == 4
+
+
+def test_one_step_keeps_sentences_and_reorders_beams_together(model):
+    # keep_sentences(..., rows=) is what beam search calls: drop a sentence and reorder
+    # the beams of the others in one go, equal to doing the two one after the other
+    src = _src()
+    history = np.random.default_rng(3).integers(4, 30, (6, 2))
+    history[:, 0] = CFG.bos_id
+    a, b = model.start_decoding(src, beams=2), model.start_decoding(src, beams=2)
+    _feed(model, a, history), _feed(model, b, history)
+    a.keep_sentences(np.array([1, 2]), rows=np.array([3, 3, 5, 4]))
+    b.keep_sentences(np.array([1, 2]))
+    b.reorder_beams(np.array([1, 1, 3, 2]))
+    nxt = np.array([[5], [6], [7], [8]])
+    np.testing.assert_array_equal(model.next_scores(nxt, a), model.next_scores(nxt, b))
+
+
+def test_the_self_attention_cache_grows_past_its_capacity(model):
+    # the caches are sized by max_length; a search that feeds more positions (or one that
+    # gave no max_length) still gets every earlier position back
+    src = _src()
+    history = np.random.default_rng(4).integers(4, 30, (3, 7))
+    history[:, 0] = CFG.bos_id
+    state = model.start_decoding(src, max_length=2)
+    np.testing.assert_allclose(_feed(model, state, history), _uncached(model, src, history),
+                               rtol=1e-12, atol=1e-12)
+    assert state.layers[0]["self"].k_buf.shape[2] >= 7
+
+
+def test_encoder_decoder_keys_are_computed_once_per_sentence(model):
+    src = _src()
+    state = model.start_decoding(src, beams=4)
+    cross = state.layers[0]["cross"]
+    assert state.rows == 12 and cross.k.shape[0] == 3 and cross.group == 4

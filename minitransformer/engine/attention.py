@@ -18,22 +18,36 @@ On CuPy arrays the masked softmax is one fused kernel (cuda_kernels.masked_softm
 """
 import math
 
+import numpy as np
+
 from .. import backend
 from . import cuda_kernels
 from .ops import note_dropout
 from .tensor import Function
 
 
+def key_bias(key_mask, dtype):
+    """The additive key mask (B, 1, 1, S) of a bool key_mask (B, S): 0 for a real token,
+    -inf for padding. Incremental decoding builds it once per batch and passes it as the
+    key_mask of every step."""
+    xp = backend.get_array_module(key_mask)
+    dtype = np.dtype(dtype)
+    return xp.where(key_mask, dtype.type(0), dtype.type(-xp.inf)).astype(dtype)[:, None, None, :]
+
+
 def attention_bias(xp, dtype, key_mask=None, causal=False, T=None, S=None):
     """Additive mask: 0 where attending is allowed, -inf elsewhere; broadcasts to (B, H, T, S).
 
-    key_mask: bool (B, S), True for real tokens. causal: query i sees keys j <= i + (S - T),
-    so a block of T new queries at the end of S keys (incremental decoding) is handled too.
+    key_mask: bool (B, S), True for real tokens, or the bias ``key_bias`` made of one.
+    causal: query i sees keys j <= i + (S - T), so a block of T new queries at the end of
+    S keys (incremental decoding) is handled too.
     """
     bias = None
     if key_mask is not None:
-        bias = xp.where(key_mask, dtype.type(0), dtype.type(-xp.inf)).astype(dtype)
-        bias = bias[:, None, None, :]  # (B, 1, 1, S)
+        if key_mask.dtype == bool:
+            bias = key_bias(key_mask, dtype)
+        else:  # a key_bias already
+            bias = key_mask.astype(dtype, copy=False)
     if causal:
         future = xp.triu(xp.ones((T, S), dtype=bool), k=S - T + 1)
         cb = xp.where(future, dtype.type(-xp.inf), dtype.type(0)).astype(dtype)  # (T, S)
@@ -107,7 +121,8 @@ def scaled_dot_product_attention(q, k, v, key_mask=None, causal=False, dropout=0
                                  rng=None, training=False):
     """softmax(q k^T / sqrt(K) + mask) v for q (B, H, T, K), k and v (B, H, S, K).
 
-    key_mask: bool array (B, S), True for real (non-padding) keys. causal: mask the future.
+    key_mask: bool array (B, S), True for real (non-padding) keys, or its ``key_bias``.
+    causal: mask the future.
     dropout/rng/training: dropout on the probabilities.
     """
     if key_mask is not None and hasattr(key_mask, "data") and not hasattr(key_mask, "shape"):

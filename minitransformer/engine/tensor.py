@@ -12,6 +12,8 @@ import contextlib
 import itertools
 from typing import Any, Optional
 
+import numpy as np
+
 from .. import backend
 from . import anomaly, scope
 
@@ -61,6 +63,16 @@ class Tensor:
         self.requires_grad = bool(requires_grad)
         self.node = None
         self.name = name
+
+    @classmethod
+    def wrap(cls, data: Any) -> "Tensor":
+        """A constant Tensor around ``data``, an array already on its device (no checks, no
+        copy): what ops return under no_grad."""
+        if isinstance(data, np.generic):  # (a reduction to a NumPy scalar)
+            data = np.asarray(data)
+        t = cls.__new__(cls)
+        t.data, t.grad, t.requires_grad, t.node, t.name = data, None, False, None, None
+        return t
 
     # ---- basic properties -------------------------------------------------------------
     shape = property(lambda self: self.data.shape)
@@ -289,8 +301,11 @@ class Function:
     @classmethod
     def apply(cls, *inputs: Any, **options: Any) -> Tensor:
         fn = cls(**options)
-        fn.module = scope.current_module()  # the module whose forward applies it, or None
         tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
+        if not _grad_enabled and _profiler is None and not anomaly.enabled():
+            # inference (decoding under no_grad): no tape, nothing kept beyond this call
+            return Tensor.wrap(fn.forward(*(t.data for t in tensors)))
+        fn.module = scope.current_module()  # the module whose forward applies it, or None
         if _profiler is None:
             out = fn.forward(*(t.data for t in tensors))
         else:  # (profiler.profile: this forward timed, its FLOPs and bytes counted)

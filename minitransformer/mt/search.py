@@ -82,31 +82,29 @@ def greedy_search(model: Transformer, src: Any, max_len_a: int = 50) -> list[lis
     """src ids (B, S) -> list of B token-id lists (EOS and padding stripped)."""
     with no_grad():
         model.eval()
-        xp = model.xp()
+        xp, eos = model.xp(), model.cfg.eos_id
         src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B = src.shape[0]
-        state = model.start_decoding(src)
         limit = output_limits(model, src, max_len_a)
-        alive = np.arange(B)  # original sentence of each batch row
-        out = [[] for _ in range(B)]
+        state = model.start_decoding(src, max_length=int(limit.max()))
+        alive = np.arange(B)  # original sentence of each row
+        out = np.zeros((B, int(limit.max())), dtype=np.int64)  # tokens of sentence b so far:
+        n_out = np.zeros(B, dtype=np.int64)                    # out[b, :n_out[b]]
         last = xp.full((B, 1), model.cfg.bos_id, dtype=src.dtype)
         t = 0
         while len(alive):
             logits = _forbid(model.next_scores(last, state), model.cfg)  # (B*, V)
             nxt = to_numpy(logits.argmax(axis=-1))
+            grows = nxt != eos  # every live row holds t tokens before this step
+            out[alive[grows], t] = nxt[grows]
+            n_out[alive[grows]] = t + 1
             t += 1
-            keep = []
-            for row, (b, tok) in enumerate(zip(alive, nxt)):
-                if tok == model.cfg.eos_id:
-                    continue
-                out[b].append(int(tok))
-                if t < limit[b]:
-                    keep.append(row)
+            keep = np.nonzero(grows & (t < limit[alive]))[0]
             if len(keep) < len(alive):
-                state.keep_rows(xp.asarray(np.array(keep, dtype=np.int64)))
+                state.keep_sentences(keep)
                 alive, nxt = alive[keep], nxt[keep]
             last = xp.asarray(nxt[:, None]).astype(src.dtype)
-        return out
+        return [out[b, :n_out[b]].tolist() for b in range(B)]
 
 
 def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
@@ -123,29 +121,44 @@ def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
         src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B, k = src.shape[0], beam
         eos = model.cfg.eos_id
-        state = model.start_decoding(src)
         limit = output_limits(model, src, max_len_a)
-        state.keep_rows(xp.repeat(xp.arange(B), k))  # beams of sentence b: rows b*k .. b*k+k-1
+        # beams of sentence b: rows b*k .. b*k+k-1, sharing its encoder-decoder keys/values
+        state = model.start_decoding(src, beams=k, max_length=int(limit.max()))
         alive = np.arange(B)  # original sentence of each active block of k rows
         tokens, scores = _first_beams(B, k)
-        finished = [[] for _ in range(B)]
+        finished, n_finished = [[] for _ in range(B)], np.zeros(B, dtype=np.int64)
         last = xp.full((B * k, 1), model.cfg.bos_id, dtype=src.dtype)
         t = 0
         while len(alive):
-            logp = _forbid(model.next_scores(last, state, log_probs=True), model.cfg)  # (n*k, V)
-            top_scores, prev, tok = _best_candidates(xp, logp, scores, k)
+            logits = model.next_scores(last, state)  # (n*k, V), overwritten below
+            top_scores, prev, tok = _best_candidates(xp, logits, scores, k, model.cfg)
             t += 1
             lp = _length_penalty(t - 1, alpha, length_penalty)
-            _finish_ending(finished, alive, top_scores, prev, tok, tokens, eos, lp)
+            _finish_ending(finished, n_finished, alive, top_scores, prev, tok, tokens, eos, lp)
             prev, tokens, scores = _continuing(top_scores, prev, tok, tokens, eos, k)
             lp = _length_penalty(t, alpha, length_penalty)
-            kb = _finish_at_limit(finished, alive, t >= limit[alive], tokens, scores, lp)
+            at_limit = t >= limit[alive]
+            _finish_at_limit(finished, alive, at_limit, tokens, scores, lp)
+            kb = np.nonzero(~at_limit & np.isfinite(scores[:, 0]) & (n_finished[alive] < k))[0]
             if not len(kb):
                 break
-            _keep_beams(state, xp, kb, prev, k)
+            # beam j of open sentence i continues beam prev[i, j] of that sentence
+            state.keep_sentences(kb, rows=(kb[:, None] * k + prev[kb]).reshape(-1))
             alive, tokens, scores = alive[kb], tokens[kb], scores[kb]
             last = xp.asarray(tokens[:, :, -1].reshape(-1, 1)).astype(src.dtype)
         return _best_first(finished, return_all)
+
+
+def log_softmax_at(xp, z, cols):
+    """log_softmax(z) (engine/softmax.py) at the columns ``cols`` (R, m) of z (R, V) only:
+    the same float operations on those entries, (z - max) - log(sum(exp(z - max))), without
+    writing out the other V - m. z is overwritten (exp(z - max))."""
+    m = z.max(axis=-1, keepdims=True)
+    picked = xp.take_along_axis(z, cols, 1) - m
+    z -= m
+    xp.exp(z, out=z)
+    picked -= xp.log(z.sum(axis=-1, keepdims=True))
+    return picked
 
 
 def _first_beams(B, k):
@@ -156,16 +169,20 @@ def _first_beams(B, k):
     return tokens, scores
 
 
-def _best_candidates(xp, logp, scores, k):
+def _best_candidates(xp, logits, scores, k, cfg):
     """The 2k best candidates of each of the n sentences, best first -> (scores, beam they
-    extend, token), each (n, 2k) on the host; ``logp`` (n*k, V), ``scores`` (n, k)."""
-    n, V = scores.shape[0], logp.shape[-1]
+    extend, token), each (n, 2k) on the host; ``logits`` (n*k, V) (overwritten), ``scores``
+    (n, k). Candidates are ranked by log-probability (normalised over every token), and
+    padding and BOS are never candidates."""
+    n, V = scores.shape[0], logits.shape[-1]
     # At most k of the 2k end in EOS (one per beam), so at least k continue. Each of them is
     # among the 2k best tokens of its own beam, so those are found first, on the device and
-    # in the model's precision; only n*k*2k numbers come back.
+    # in the model's precision, and only they are normalised; n*k*2k numbers come back.
     m = min(2 * k, V)
-    best = top_m(xp, logp, m)  # (n*k, m), any order
-    best_lp = to_numpy(xp.take_along_axis(logp, best, 1)).astype(np.float64)
+    forbidden = logits[:, [cfg.pad_id, cfg.bos_id]]  # (a copy)
+    best = top_m(xp, _forbid(logits, cfg), m)  # (n*k, m), any order
+    logits[:, [cfg.pad_id, cfg.bos_id]] = forbidden  # they still count in the normaliser
+    best_lp = to_numpy(log_softmax_at(xp, logits, best)).astype(np.float64)
     best = to_numpy(best).reshape(n, k * m)
     cand = (scores[:, :, None] + best_lp.reshape(n, k, m)).reshape(n, k * m)
     order = np.argsort(-cand, axis=1, kind="stable")[:, :2 * k]
@@ -173,13 +190,14 @@ def _best_candidates(xp, logp, scores, k):
     return top_scores, order // m, np.take_along_axis(best, order, 1)
 
 
-def _finish_ending(finished, alive, top_scores, prev, tok, tokens, eos, lp):
+def _finish_ending(finished, n_finished, alive, top_scores, prev, tok, tokens, eos, lp):
     """Add the candidates that end in EOS, among the k best of their sentence, to
     ``finished``, scored by their log-probability / ``lp``."""
     k = tokens.shape[1]
     ends = (tok == eos) & np.isfinite(top_scores)
     for i, r in zip(*np.nonzero(ends[:, :k])):  # EOS counts only among the k best
         finished[alive[i]].append((top_scores[i, r] / lp, tokens[i, prev[i, r]].tolist()))
+        n_finished[alive[i]] += 1
 
 
 def _continuing(top_scores, prev, tok, tokens, eos, k):
@@ -195,25 +213,11 @@ def _continuing(top_scores, prev, tok, tokens, eos, k):
 
 def _finish_at_limit(finished, alive, at_limit, tokens, scores, lp):
     """Finish the live hypotheses of the sentences ``at_limit`` (maximum length) as they are,
-    scored / ``lp``. -> indices of the sentences still open: not at the limit, a live
-    hypothesis left and fewer than k finished."""
+    scored / ``lp``."""
     k = tokens.shape[1]
     for i in np.nonzero(at_limit)[0]:
         finished[alive[i]].extend((scores[i, j] / lp, tokens[i, j].tolist())
                                   for j in range(k) if np.isfinite(scores[i, j]))
-    open_ = ~at_limit & np.isfinite(scores[:, 0]) & \
-        np.array([len(finished[b]) < k for b in alive], dtype=bool)
-    return np.nonzero(open_)[0]
-
-
-def _keep_beams(state, xp, kb, prev, k):
-    """Reduce the decoder ``state`` to the open sentences ``kb`` (of n), and reorder each
-    one's k beams to follow the beams ``prev`` (n, k) they continue."""
-    if len(kb) < len(prev):  # sentences left: drop their blocks of k rows
-        state.keep_rows(xp.asarray((kb[:, None] * k + np.arange(k)).reshape(-1)))
-    # beam j of (remaining) sentence i continues beam prev of that sentence
-    state.reorder_history(xp.asarray(
-        (np.arange(len(kb))[:, None] * k + prev[kb]).reshape(-1)))
 
 
 def _best_first(finished, return_all):

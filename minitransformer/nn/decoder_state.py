@@ -1,44 +1,129 @@
 """What incremental decoding carries from one step to the next (the search's view of the model).
 
-For each of the B* rows being decoded (a sentence, or one beam of one):
-    memory   (B*, S, D)   the encoder output, and src_mask its key mask
-    layers   one dict per decoder layer: "self" holds the self-attention keys/values of the
-             tokens fed so far (B*, H, t, K), appended to at every step; "cross" the
-             encoder-decoder keys/values (B*, H, S, K), computed from memory once
-    offset   the position of the next token fed
-A search changes which rows there are only through the two operations below, so it never
-touches arrays or cache entries itself.
+The rows being decoded come in groups: ``group`` consecutive rows per sentence (its beams in a
+beam search, one row in greedy search), so row r belongs to sentence r // group. Per decoder
+layer the state keeps
+    self    a SelfCache: the self-attention keys/values of the tokens fed so far, (R, H, t, K),
+            in buffers allocated ahead and filled in place (no copy of the history per step)
+    cross   a CrossCache: the encoder-decoder keys/values, (N, H, S, K) for the N sentences,
+            computed from the encoder output once per sentence, not once per beam
+and, per sentence, ``src_bias`` (N, 1, 1, S): the additive key mask of the source (0 for a
+token, -inf for padding), built once. ``offset`` is the position of the next token fed.
+A search changes which rows there are only through ``keep_sentences`` (and ``reorder_beams``),
+so it never touches arrays or cache entries itself.
 """
-from ..engine.tensor import Tensor
+import numpy as np
+
+from .. import backend
+
+
+class SelfCache:
+    """The self-attention keys and values of one decoder layer, for ``rows`` rows and the
+    ``length`` positions fed so far: views (rows, H, length, K) of buffers with room for
+    ``capacity`` positions. The buffers are allocated at the first step (capacity = the
+    search's maximum length, when it told us, else 64) and doubled if ever outgrown; rows
+    that leave are compacted in place, so no step copies the history it appends to."""
+
+    def __init__(self, capacity=None):
+        self.capacity, self.rows, self.length = capacity, 0, 0
+        self.k_buf = self.v_buf = None
+
+    def append(self, k, v):
+        """Add the keys and values (R, H, T, K) of T new positions -> every position's."""
+        R, H, T, K = k.shape
+        if self.k_buf is None:
+            self.rows, cap = R, max(self.capacity or 64, T)
+            self.k_buf = backend.get_array_module(k).empty((R, H, cap, K), k.dtype)
+            self.v_buf = backend.get_array_module(k).empty((R, H, cap, K), k.dtype)
+        elif self.length + T > self.k_buf.shape[2]:
+            self._grow(self.length + T)
+        end = self.length + T
+        self.k_buf[:R, :, self.length:end] = k
+        self.v_buf[:R, :, self.length:end] = v
+        self.length = end
+        return self.keys(), self.values()
+
+    def keys(self):
+        return self.k_buf[:self.rows, :, :self.length]
+
+    def values(self):
+        return self.v_buf[:self.rows, :, :self.length]
+
+    def _grow(self, need):
+        cap = max(need, 2 * self.k_buf.shape[2])
+        for name in ("k_buf", "v_buf"):
+            old = getattr(self, name)
+            new = backend.get_array_module(old).empty(old.shape[:2] + (cap,) + old.shape[3:],
+                                                       old.dtype)
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+
+    def take(self, rows):
+        """Row i becomes old row ``rows[i]`` (host int array, len(rows) <= the rows there
+        are); only the rows that change are copied, within the same buffers."""
+        if self.k_buf is None:
+            return
+        n = len(rows)
+        moved = np.nonzero(rows != np.arange(n))[0]
+        if len(moved):
+            xp = backend.get_array_module(self.k_buf)
+            src, dst = xp.asarray(rows[moved]), xp.asarray(moved)
+            for buf in (self.k_buf, self.v_buf):
+                buf[dst, :, :self.length] = buf[src, :, :self.length]  # (the right side is a copy)
+        self.rows = n
+
+
+class CrossCache:
+    """The encoder-decoder keys and values of one decoder layer: (N, H, S, K) each, one
+    entry per sentence, shared by the ``group`` rows (beams) of that sentence."""
+
+    def __init__(self, group=1):
+        self.group, self.k, self.v = group, None, None
+
+    def take(self, sentences):
+        if self.k is not None:
+            idx = backend.get_array_module(self.k).asarray(sentences)
+            self.k, self.v = self.k[idx], self.v[idx]
 
 
 class DecoderState:
-    def __init__(self, memory, src_mask, n_layers):
-        self.memory, self.src_mask = memory, src_mask
-        self.layers = [{} for _ in range(n_layers)]
-        self.offset = 0
+    def __init__(self, src_bias, n_layers, group=1, capacity=None):
+        self.src_bias, self.group, self.offset = src_bias, group, 0
+        self.layers = self.new_layers(n_layers, group, capacity)
+
+    @staticmethod
+    def new_layers(n_layers, group=1, capacity=None):
+        """Empty caches: one {"self": SelfCache, "cross": CrossCache} per decoder layer."""
+        return [{"self": SelfCache(capacity), "cross": CrossCache(group)}
+                for _ in range(n_layers)]
+
+    @property
+    def sentences(self):
+        return self.src_bias.shape[0]
 
     @property
     def rows(self):
-        return self.memory.shape[0]
+        return self.sentences * self.group
 
-    def keep_rows(self, rows):
-        """Keep (or repeat) rows ``rows`` (an index array on the model's device): sentences
-        that finished leave, and a beam search starts by repeating each sentence k times.
-        Everything per row follows: memory, its mask, and both caches."""
-        self.memory, self.src_mask = Tensor(self.memory.data[rows]), self.src_mask[rows]
-        self._take(rows, ("self", "cross"))
-
-    def reorder_history(self, rows):
-        """Row i continues the tokens fed so far in row ``rows[i]`` (beams reordered after a
-        step of beam search). Only the self-attention history moves: the encoder-decoder
-        keys/values and memory are the same for every beam of one sentence."""
-        self._take(rows, ("self",))
-
-    def _take(self, rows, parts):
+    def keep_sentences(self, sentences, rows=None):
+        """Keep sentences ``sentences`` (host int array, increasing); the ones that finished
+        leave. Row r of the new state continues old row ``rows[r]`` (host int array, a row
+        of the same sentence; by default each kept sentence's own rows, in order). The
+        source mask and encoder-decoder keys/values follow the sentences, the
+        self-attention history the rows."""
+        sentences = np.asarray(sentences, dtype=np.int64)
+        g = self.group
+        if rows is None:
+            rows = (sentences[:, None] * g + np.arange(g)).reshape(-1)
+        if len(sentences) < self.sentences:
+            self.src_bias = self.src_bias[backend.get_array_module(self.src_bias).asarray(
+                sentences)]
+            for layer in self.layers:
+                layer["cross"].take(sentences)
         for layer in self.layers:
-            for part in parts:
-                cache = layer.get(part, {})
-                for key in ("k", "v"):
-                    if key in cache:
-                        cache[key] = Tensor(cache[key].data[rows])
+            layer["self"].take(np.asarray(rows, dtype=np.int64))
+
+    def reorder_beams(self, rows):
+        """Row i continues the tokens fed so far in row ``rows[i]`` (host int array; a row
+        of the same sentence): beams reordered after a step of beam search."""
+        self.keep_sentences(np.arange(self.sentences), rows)

@@ -47,22 +47,22 @@ class MultiHeadAttention(Module):
                                               for _ in range(4))
         self.store = None  # set to a list to record attention maps (B, H, T, S)
 
-    def forward(self, query, memory, key_mask, causal, cache=None, static_kv=False):
-        """cache: dict for incremental decoding; static_kv: memory's keys/values never change
-        (encoder-decoder attention), so they are computed once and kept in the cache."""
+    def forward(self, query, memory, key_mask, causal, cache=None):
+        """key_mask: bool (B, S) or an additive bias (B, 1, 1, S) (engine/attention.key_bias).
+
+        cache (incremental decoding): a SelfCache, to which this step's keys and values are
+        appended (self-attention); or a CrossCache holding memory's keys and values, computed
+        once per sentence (encoder-decoder attention: memory never changes). A CrossCache's
+        ``group`` rows of one sentence (its beams) attend as one block of queries.
+        """
         H = self.n_heads
+        B, T, D = query.shape
+        group = getattr(cache, "group", 1)
+        if group > 1:  # (B, T, D) -> (sentences, beams * T, D): queries are independent
+            query = query.reshape(B // group, group * T, D)
         q = ops.split_heads(self.wq(query), H)  # (B, H, T, K)
-        if cache is not None and static_kv and "k" in cache:
-            k, v = cache["k"], cache["v"]
-        else:
-            k = ops.split_heads(self.wk(memory), H)  # (B, H, S, K)
-            v = ops.split_heads(self.wv(memory), H)
-            if cache is not None:
-                if not static_kv and "k" in cache:  # self-attention: append this step's keys
-                    xp = k.xp
-                    k = Tensor(xp.concatenate([cache["k"].data, k.data], axis=2))
-                    v = Tensor(xp.concatenate([cache["v"].data, v.data], axis=2))
-                cache["k"], cache["v"] = k, v
+        k, v = self._keys_values(memory, cache)  # (B, H, S, K) each
+        causal = causal and q.shape[2] > 1  # one new query sees every key so far: no mask
         out = scaled_dot_product_attention(q, k, v, key_mask=key_mask, causal=causal,
                                            dropout=self.cfg.attention_dropout, rng=self.rng,
                                            training=self.training)
@@ -70,7 +70,23 @@ class MultiHeadAttention(Module):
             mask = key_mask.data if isinstance(key_mask, Tensor) else key_mask
             self.store.append(backend.to_numpy(attention_probabilities(q.data, k.data, mask,
                                                                        causal)))
-        return self.wo(ops.merge_heads(out, H))
+        out = self.wo(ops.merge_heads(out, H))
+        return out if group == 1 else out.reshape(B, T, D)
+
+    def memory_kv(self, memory):
+        """The keys and values of ``memory`` (B, S, D) -> two (B, H, S, K) Tensors."""
+        H = self.n_heads
+        return ops.split_heads(self.wk(memory), H), ops.split_heads(self.wv(memory), H)
+
+    def _keys_values(self, memory, cache):
+        if cache is None:
+            return self.memory_kv(memory)
+        if hasattr(cache, "group"):  # encoder-decoder keys/values: computed at most once
+            if cache.k is None:
+                cache.k, cache.v = (t.data for t in self.memory_kv(memory))
+            return Tensor(cache.k), Tensor(cache.v)
+        k, v = self.memory_kv(memory)  # self-attention: this step's, after the history
+        return tuple(Tensor(a) for a in cache.append(k.data, v.data))
 
 
 class FeedForward(Module):
@@ -125,10 +141,12 @@ class DecoderLayer(Module):
         self.sub3 = SublayerConnection(cfg, rng, dtype, device)
 
     def forward(self, y, memory, src_mask, cache=None):
+        """cache: this layer's {"self": SelfCache, "cross": CrossCache} (nn/decoder_state.py)
+        in incremental decoding, else None."""
         c_self = c_cross = None
         if cache is not None:
-            c_self, c_cross = cache.setdefault("self", {}), cache.setdefault("cross", {})
+            c_self, c_cross = cache["self"], cache["cross"]
         y = self.sub1(y, lambda h: self.self_attn(h, h, None, causal=True, cache=c_self))
         y = self.sub2(y, lambda h: self.cross_attn(h, memory, src_mask, causal=False,
-                                                   cache=c_cross, static_kv=True))
+                                                   cache=c_cross))
         return self.sub3(y, self.ff)

@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import backend
 from ..engine import ops
+from ..engine.attention import key_bias
 from ..engine.ids import check_ids
 from ..engine.linear_cross_entropy import linear_cross_entropy
 from ..engine.softmax import log_softmax
@@ -246,21 +247,29 @@ class Transformer(Module):
 
     def new_cache(self):
         """Empty per-layer key/value caches for ``decode(..., cache=)``."""
-        return [{} for _ in self.decoder]
+        return DecoderState.new_layers(len(self.decoder))
 
     # ---- incremental decoding (mt/search.py) ----
-    def start_decoding(self, src: Any) -> DecoderState:
-        """Encode src ids (B, S) -> the DecoderState of B rows, before the first token."""
+    def start_decoding(self, src: Any, beams: int = 1,
+                       max_length: Optional[int] = None) -> DecoderState:
+        """Encode src ids (B, S) -> the DecoderState of B sentences with ``beams`` rows
+        each, before the first token. The encoder-decoder keys and values of each layer are
+        computed here, once per sentence; ``max_length`` (the most tokens a row will be fed)
+        sizes the self-attention caches."""
         memory, src_mask = self.encode(src)
-        return DecoderState(memory, src_mask, len(self.decoder))
+        acc = backend.accumulation_dtype(self.compute_dtype)
+        state = DecoderState(key_bias(src_mask, acc), len(self.decoder), beams, max_length)
+        for layer, cache in zip(self.decoder, state.layers):
+            cache["cross"].k, cache["cross"].v = (t.data for t in
+                                                  layer.cross_attn.memory_kv(memory))
+        return state
 
     def next_scores(self, last: Any, state: DecoderState, log_probs: bool = False) -> Any:
-        """Feed the newest tokens ``last`` (B*, 1) of each row of ``state`` -> the scores of
-        the token after them, (B*, V) on the model's device: logits, or log-probabilities
+        """Feed the newest tokens ``last`` (R, 1) of the R rows of ``state`` -> the scores
+        of the token after them, (R, V) on the model's device: logits, or log-probabilities
         with ``log_probs``. Earlier positions come from the state's caches; the state
         advances by one position."""
-        h = self.decode(last, state.memory, state.src_mask, cache=state.layers,
-                        offset=state.offset)
+        h = self.decode(last, None, state.src_bias, cache=state.layers, offset=state.offset)
         state.offset += last.shape[1]
         z = self.logits(h)
         return (log_softmax(z) if log_probs else z).data[:, -1]
