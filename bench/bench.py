@@ -668,7 +668,8 @@ def print_summary(res):
     for kind in ("greedy", "beam"):
         print(f"   {kind} sent/s: " + ", ".join(f"{fw} {dec[fw][kind]['sentences_per_s']:.1f}"
                                                  for fw in fws)
-              + (f"  -> ours/torch {r[kind]:.2f}x (target >= 1.5x; best of "
+              + (f"  -> ours/torch {r[kind]:.2f}x (target >= "
+                 f"{report.target(kind, res['config'])}x; best of "
                  f"{dec['ours'][kind]['reps']}: {r[kind + '_best']:.2f}x)" if r else ""))
     grow = {fw: mem[fw]["max_rss_mib"] - mem[fw]["rss_setup_mib"] for fw in fws}
     print("   peak RSS MiB: " + ", ".join(f"{fw} {mem[fw]['max_rss_mib']:.0f} (+{grow[fw]:.0f} "

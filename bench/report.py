@@ -9,7 +9,17 @@ import json
 import os
 
 
-TARGETS = dict(train=1.5, greedy=1.5, beam=1.5, memory=1.0)
+TARGETS = dict(train=1.5, memory=1.0)
+# decoding, ours / torch sentences/s: twice as fast on tiny, where the per-step work outside the
+# products counts most, 1.3x on base-lite, where the products dominate
+DECODE_TARGETS = {"tiny": 2.0, "base-lite": 1.3, "base": 1.3}
+
+
+def target(kind, config):
+    """The target ratio of ``kind`` (train, greedy, beam, memory) for ``config``."""
+    if kind in ("greedy", "beam"):
+        return DECODE_TARGETS.get(config, 1.5)
+    return TARGETS[kind]
 
 
 def results_dir(report_path):
@@ -33,10 +43,11 @@ def _load(results):
     return runs, scaling
 
 
-def _met(kind, ratio):
+def _met(kind, ratio, config=None):
     if ratio is None:
         return ""
-    ok = ratio <= TARGETS[kind] if kind == "memory" else ratio >= TARGETS[kind]
+    goal = target(kind, config)
+    ok = ratio <= goal if kind == "memory" else ratio >= goal
     return "met" if ok else "**not met**"
 
 
@@ -78,13 +89,14 @@ def summary(runs):
             n = dec["ours"][kind]["reps"]
             lines.append(f"| {c} | {d} | {label} decoding, sentences/s (median of {n}) | "
                          f"{a:.1f} | {_fmt(b, '.1f')} | {_x(q.get(kind))} | "
-                         f">= 1.5x: {_met(kind, q.get(kind))} |")
+                         f">= {target(kind, c)}x: {_met(kind, q.get(kind), c)} |")
             if "best_sentences_per_s" in dec["ours"][kind]:
                 a, b = (dec["ours"][kind]["best_sentences_per_s"],
                         t(dec, kind, "best_sentences_per_s"))
                 lines.append(f"| {c} | {d} | {label} decoding, sentences/s (best of {n}) | "
                              f"{a:.1f} | {_fmt(b, '.1f')} | {_x(q.get(kind + '_best'))} | "
-                             f">= 1.5x: {_met(kind, q.get(kind + '_best'))} |")
+                             f">= {target(kind, c)}x: "
+                             f"{_met(kind, q.get(kind + '_best'), c)} |")
         a, b = mem["ours"]["max_rss_mib"], t(mem, "max_rss_mib")
         lines.append(f"| {c} | {d} | peak memory (ru_maxrss), MiB | {_fmt(a)} | {_fmt(b)} | "
                      f"{_x(q.get('memory'))} | <= 1x: {_met('memory', q.get('memory'))} |")

@@ -99,3 +99,20 @@ def test_encoder_decoder_keys_are_computed_once_per_sentence(model):
     state = model.start_decoding(src, beams=4)
     cross = state.layers[0]["cross"]
     assert state.rows == 12 and cross.k.shape[0] == 3 and cross.group == 4
+
+
+def test_fused_self_attention_projection_equals_the_three_products(model):
+    # start_decoding's caches carry [W_q W_k W_v] (one product a step); new_cache's do not
+    # (three products, as in training): the scores agree to float rounding
+    src = _src()
+    history = np.random.default_rng(5).integers(4, 30, (3, 5))
+    history[:, 0] = CFG.bos_id
+    state = model.start_decoding(src)
+    assert state.layers[0]["self"].qkv[0].shape == (CFG.d_model, 3 * CFG.d_model)
+    fused = _feed(model, state, history)
+    memory, mask = model.encode(src)
+    cache = model.new_cache()
+    for t in range(history.shape[1]):
+        plain = model.logits(model.decode(history[:, t:t + 1], memory, mask, cache=cache,
+                                          offset=t)).data[:, -1]
+    np.testing.assert_allclose(fused, plain, rtol=1e-13, atol=1e-13)

@@ -27,6 +27,7 @@ class SelfCache:
     def __init__(self, capacity=None):
         self.capacity, self.rows, self.length = capacity, 0, 0
         self.k_buf = self.v_buf = None
+        self.qkv = None  # MultiHeadAttention.fused_qkv, set by Transformer.start_decoding
 
     def append(self, k, v):
         """Add the keys and values (R, H, T, K) of T new positions -> every position's."""

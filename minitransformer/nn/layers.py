@@ -60,8 +60,7 @@ class MultiHeadAttention(Module):
         group = getattr(cache, "group", 1)
         if group > 1:  # (B, T, D) -> (sentences, beams * T, D): queries are independent
             query = query.reshape(B // group, group * T, D)
-        q = ops.split_heads(self.wq(query), H)  # (B, H, T, K)
-        k, v = self._keys_values(memory, cache)  # (B, H, S, K) each
+        q, k, v = self._project(query, memory, cache)  # (B, H, T, K), (B, H, S, K) twice
         causal = causal and q.shape[2] > 1  # one new query sees every key so far: no mask
         out = scaled_dot_product_attention(q, k, v, key_mask=key_mask, causal=causal,
                                            dropout=self.cfg.attention_dropout, rng=self.rng,
@@ -78,15 +77,35 @@ class MultiHeadAttention(Module):
         H = self.n_heads
         return ops.split_heads(self.wk(memory), H), ops.split_heads(self.wv(memory), H)
 
-    def _keys_values(self, memory, cache):
+    def fused_qkv(self, dtype):
+        """[W_q W_k W_v] (D, 3D) and [b_q b_k b_v] (3D,) as ``dtype`` arrays: the three
+        projections of self-attention as one product. Incremental decoding builds them once
+        per search (``Transformer.start_decoding``); x [W_q W_k W_v] + [b_q b_k b_v] is
+        [x W_q + b_q, x W_k + b_k, x W_v + b_v], column block by column block."""
+        xp = backend.get_array_module(self.wq.weight.data)
+        parts = (self.wq, self.wk, self.wv)
+        return (xp.concatenate([m.weight.data for m in parts], axis=1).astype(dtype),
+                xp.concatenate([m.bias.data for m in parts]))
+
+    def _project(self, query, memory, cache):
+        """-> q (B, H, T, K) and the keys and values (B, H, S, K) it attends to."""
+        H = self.n_heads
+        if cache is not None and getattr(cache, "qkv", None) is not None:
+            # self-attention, one step of decoding (no_grad): one product for q, k and v
+            w, b = cache.qkv
+            heads = ops.split_heads(ops.linear(query, Tensor.wrap(w), Tensor.wrap(b)),
+                                    3 * H).data  # (B, 3H, T, K): q, k, v heads in turn
+            k, v = cache.append(heads[:, H:2 * H], heads[:, 2 * H:])
+            return Tensor.wrap(heads[:, :H]), Tensor.wrap(k), Tensor.wrap(v)
+        q = ops.split_heads(self.wq(query), H)
         if cache is None:
-            return self.memory_kv(memory)
+            return (q,) + self.memory_kv(memory)
         if hasattr(cache, "group"):  # encoder-decoder keys/values: computed at most once
             if cache.k is None:
                 cache.k, cache.v = (t.data for t in self.memory_kv(memory))
-            return Tensor(cache.k), Tensor(cache.v)
+            return q, Tensor(cache.k), Tensor(cache.v)
         k, v = self.memory_kv(memory)  # self-attention: this step's, after the history
-        return tuple(Tensor(a) for a in cache.append(k.data, v.data))
+        return (q,) + tuple(Tensor(a) for a in cache.append(k.data, v.data))
 
 
 class FeedForward(Module):

@@ -255,13 +255,15 @@ class Transformer(Module):
         """Encode src ids (B, S) -> the DecoderState of B sentences with ``beams`` rows
         each, before the first token. The encoder-decoder keys and values of each layer are
         computed here, once per sentence; ``max_length`` (the most tokens a row will be fed)
-        sizes the self-attention caches."""
-        memory, src_mask = self.encode(src)
-        acc = backend.accumulation_dtype(self.compute_dtype)
-        state = DecoderState(key_bias(src_mask, acc), len(self.decoder), beams, max_length)
-        for layer, cache in zip(self.decoder, state.layers):
-            cache["cross"].k, cache["cross"].v = (t.data for t in
-                                                  layer.cross_attn.memory_kv(memory))
+        sizes the self-attention caches. Decoding never records a tape (no_grad)."""
+        with no_grad():
+            memory, src_mask = self.encode(src)
+            acc = backend.accumulation_dtype(self.compute_dtype)
+            state = DecoderState(key_bias(src_mask, acc), len(self.decoder), beams, max_length)
+            for layer, cache in zip(self.decoder, state.layers):
+                cache["cross"].k, cache["cross"].v = (t.data for t in
+                                                      layer.cross_attn.memory_kv(memory))
+                cache["self"].qkv = layer.self_attn.fused_qkv(self.compute_dtype)
         return state
 
     def next_scores(self, last: Any, state: DecoderState, log_probs: bool = False) -> Any:
@@ -269,10 +271,12 @@ class Transformer(Module):
         of the token after them, (R, V) on the model's device: logits, or log-probabilities
         with ``log_probs``. Earlier positions come from the state's caches; the state
         advances by one position."""
-        h = self.decode(last, None, state.src_bias, cache=state.layers, offset=state.offset)
-        state.offset += last.shape[1]
-        z = self.logits(h)
-        return (log_softmax(z) if log_probs else z).data[:, -1]
+        with no_grad():
+            h = self.decode(last, None, state.src_bias, cache=state.layers,
+                            offset=state.offset)
+            state.offset += last.shape[1]
+            z = self.logits(h)
+            return (log_softmax(z) if log_probs else z).data[:, -1]
 
     def set_attention_store(self, store):
         """store: dict to fill with lists of attention maps, or None to stop recording."""

@@ -1,0 +1,145 @@
+"""Translation throughput of a trained run: minitransformer's translate.py search against
+CTranslate2 on the same weights (exported with ``python -m minitransformer.export``).
+
+    python bench/deploy.py --run-dir runs/multi30k --average-last 5 \\
+        --input data/multi30k/test2016.en --reference data/multi30k/test2016.de
+
+For each of greedy and beam search it translates the whole input, ``--reps`` times after one
+warm-up pass, with ours (``mt.translation.translate_lines``: sorted by length, batches of
+``--max-tokens`` padded source tokens) and with CTranslate2 float32 and int8 (the same
+sentencepiece pieces, ``translate_batch`` with batches of ``--max-tokens`` tokens, which
+CTranslate2 sorts by length itself), and reports sentences/s (median of the reps), cased
+sacreBLEU, and how many outputs are token-identical to ours. Tokenizing and detokenizing are
+outside the timed region on both sides; both use ``--threads`` threads (ours: OpenBLAS,
+CTranslate2: intra_threads, one translator). The beam rows use the power length penalty
+(our ``--length-penalty power``), the one CTranslate2 implements, with exponent ``--alpha``.
+Writes a Markdown table (``--results``) and the raw numbers beside it as JSON.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--average-last", type=int, default=0)
+    p.add_argument("--input", required=True, help="source text, one sentence a line")
+    p.add_argument("--reference", required=True, help="reference translations")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=1.0,
+                   help="power length penalty exponent of the beam rows (default 1.0)")
+    p.add_argument("--max-len-a", type=int, default=50)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--no-ct2", dest="ct2", action="store_false",
+                   help="ours only (e.g. to time an older checkout of the package)")
+    p.add_argument("--label", default="", help="a name for this run in the results")
+    p.add_argument("--results", default=os.path.join(HERE, "DEPLOY.md"))
+    return p.parse_args(argv)
+
+
+def timed(fn, reps):
+    """fn() once to warm up, then ``reps`` times -> (median seconds, every time, output)."""
+    out = fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times, out
+
+
+def ours(args, model, tok, lines, searches):
+    from minitransformer.mt.translation import translate_ids
+    ids = tok.encode([line.strip() for line in lines])
+    rows = {}
+    for name, opts in searches.items():
+        sec, times, hyps = timed(lambda o=opts: translate_ids(
+            model, ids, max_len_a=args.max_len_a, max_tokens=args.max_tokens, **o), args.reps)
+        rows[name] = dict(seconds=sec, times=times, ids=hyps, text=tok.decode(hyps))
+    return rows
+
+
+def ct2(args, model_dir, tok, lines, searches, cfg):
+    import ctranslate2
+    tr = ctranslate2.Translator(model_dir, device="cpu", inter_threads=1,
+                                intra_threads=args.threads)
+    pieces = [tok.sp.encode(line.strip(), out_type=str) for line in lines]
+    rows = {}
+    for name, opts in searches.items():
+        beam = opts.get("beam", 1)
+        kw = dict(beam_size=beam, max_batch_size=args.max_tokens, batch_type="tokens",
+                  length_penalty=opts.get("alpha", 1.0) if beam > 1 else 1.0,
+                  max_decoding_length=cfg.max_positions - 1)
+        sec, times, res = timed(lambda k=kw: tr.translate_batch(pieces, **k), args.reps)
+        out = [r.hypotheses[0] for r in res]
+        ids = [[tok.sp.piece_to_id(p) for p in h] for h in out]
+        rows[name] = dict(seconds=sec, times=times, ids=ids, text=tok.decode(ids))
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
+    import minitransformer as mt
+    mt.configure_process()
+    from minitransformer.mt.translate import load_model
+    from minitransformer.mt.translation import corpus_bleu
+    model, tok, what = load_model(args.run_dir, average_last=args.average_last)
+    lines = open(args.input, encoding="utf-8").read().splitlines()
+    refs = open(args.reference, encoding="utf-8").read().splitlines()
+    searches = {"greedy": dict(beam=1),
+                f"beam {args.beam}": dict(beam=args.beam, alpha=args.alpha,
+                                          length_penalty="power")}
+    results = {"ours": ours(args, model, tok, lines, searches)}
+    if args.ct2:
+        from minitransformer.export import export_ctranslate2
+        with tempfile.TemporaryDirectory() as tmp:
+            for q in ("float32", "int8"):
+                out = export_ctranslate2(args.run_dir, os.path.join(tmp, q),
+                                         average_last=args.average_last or None,
+                                         quantization=None if q == "float32" else q)
+                results[f"CTranslate2 {q}"] = ct2(args, out, tok, lines, searches, model.cfg)
+    report(args, results, lines, refs, what, corpus_bleu)
+
+
+def report(args, results, lines, refs, what, corpus_bleu):
+    table, raw = [], dict(settings=vars(args), checkpoint=what, machine=platform.platform())
+    ref_ids = results["ours"]
+    for engine, rows in results.items():
+        for name, r in rows.items():
+            bleu, sig = corpus_bleu(r["text"], refs)
+            same = sum(a == b for a, b in zip(r["ids"], ref_ids[name]["ids"]))
+            table.append((name, engine, bleu, len(lines) / r["seconds"], same, r["times"]))
+            raw.setdefault(engine, {})[name] = dict(bleu=bleu, signature=sig,
+                                                    seconds=r["seconds"], times=r["times"],
+                                                    identical_to_ours=same)
+    base = {name: len(lines) / results["ours"][name]["seconds"] for name in results["ours"]}
+    md = ["| search | engine | BLEU | sentences/s | ours / this | token-identical to ours |",
+          "|---|---|---:|---:|---:|---:|"]
+    for name, engine, bleu, sps, same, _ in sorted(table, key=lambda r: (r[0], r[1] != "ours")):
+        md.append(f"| {name} | {engine} | {bleu:.2f} | {sps:.1f} | {base[name] / sps:.2f}x | "
+                  f"{same}/{len(lines)} |")
+    text = "\n".join(md)
+    print(text)
+    stem = os.path.splitext(args.results)[0] + (f"-{args.label}" if args.label else "")
+    with open(stem + ".json", "w") as f:
+        json.dump(raw, f, indent=1)
+    with open(args.results if not args.label else stem + ".md", "w") as f:
+        f.write(f"{args.label or 'run'}: {what}; {args.threads} threads; "
+                f"{platform.processor() or platform.machine()}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
