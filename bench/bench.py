@@ -371,6 +371,60 @@ class TorchRunner(Runner):
         return dict(gflops=common.gemm_gflops(t.matmul, make, n, 5, self.sync), n=n)
 
 
+class CT2Runner(Runner):
+    """Decoding only: the same initial weights, exported to CTranslate2 float32
+    (``minitransformer.export``) and searched by ``ctranslate2.Translator`` with
+    ``--threads`` intra-op threads. Token ids become the strings of a made-up vocabulary
+    ("<blank>", "<unk>", "<s>", "</s>", "t4", ...). CTranslate2 takes one maximum output
+    length per call, so each batch is split into groups of equal maximum length (ours:
+    source length + --max-len-a per sentence)."""
+
+    def build(self):
+        import ctranslate2
+        import minitransformer.nn.transformer as tr
+        from minitransformer.export import write_ctranslate2
+        self.sync, self.ct2 = (lambda: None), ctranslate2
+        model = tr.Transformer(tr.TransformerConfig.from_dict(self.cfg))
+        model.load_state_dict(np.load(self.args.init))
+        V = self.cfg["vocab_size"]
+        self.vocab = ["<blank>", "<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(4, V)]
+        self.dir = tempfile.mkdtemp(prefix="minitransformer-bench-ct2-")
+        write_ctranslate2(model, self.vocab, os.path.join(self.dir, "model"))
+        self.translator = ctranslate2.Translator(os.path.join(self.dir, "model"), device="cpu",
+                                                 inter_threads=1,
+                                                 intra_threads=self.args.threads)
+        self.index = {t: i for i, t in enumerate(self.vocab)}
+
+    def n_params(self):
+        return int(sum(np.prod(s) for s in (np.load(self.args.init)[k].shape
+                                            for k in np.load(self.args.init).files)))
+
+    def versions(self):
+        return dict(framework=f"ctranslate2 {self.ct2.__version__}",
+                    intra_threads=self.args.threads)
+
+    def reset(self):
+        return {}
+
+    def search(self, kind, src):
+        pad, eos = self.cfg["pad_id"], self.cfg["eos_id"]
+        rows = [[self.vocab[i] for i in row if i not in (pad, eos)] for row in src.tolist()]
+        limits = [len(r) + 1 + self.args.max_len_a for r in rows]  # EOS counts, as in ours
+        out = [None] * len(rows)
+        for limit in sorted(set(limits)):
+            group = [i for i, n in enumerate(limits) if n == limit]
+            res = self.translator.translate_batch(
+                [rows[i] for i in group], beam_size=1 if kind == "greedy" else self.args.beam,
+                length_penalty=0.6, max_decoding_length=limit)
+            for i, r in zip(group, res):
+                out[i] = [self.index[t] for t in r.hypotheses[0]]
+        return out
+
+    def quit(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return dict(bye=True)
+
+
 CMD_TAG = 7
 
 
@@ -383,7 +437,8 @@ def worker_main(args):
     proto = os.fdopen(os.dup(1), "w")  # the protocol channel; stray prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    runner = (OursRunner if args.worker == "ours" else TorchRunner)(args, mpi)
+    runner = dict(ours=OursRunner, torch=TorchRunner, ctranslate2=CT2Runner)[args.worker](args,
+                                                                                       mpi)
     while True:
         if lead:
             line = sys.stdin.readline()
@@ -565,13 +620,18 @@ def run_config(name, args, machine, peak):
         # ---- decoding ----
         for fw in frameworks:
             workers[fw]("reset")
-        dec = {fw: {"greedy": [], "beam": []} for fw in frameworks}
-        outputs = {fw: {} for fw in frameworks}
+        decoders = list(frameworks)
+        if args.ct2 and args.device == "cpu" and importlib.util.find_spec("ctranslate2"):
+            workers["ctranslate2"] = Worker("ctranslate2", argv)
+            setup["ctranslate2"] = workers["ctranslate2"]("setup")
+            decoders.append("ctranslate2")
+        dec = {fw: {"greedy": [], "beam": []} for fw in decoders}
+        outputs = {fw: {} for fw in decoders}
         for kind in ("greedy", "beam"):
-            for fw in frameworks:
+            for fw in decoders:
                 workers[fw]("decode", kind=kind, warmup=True)
             for rep in range(args.decode_reps):
-                order = frameworks if rep % 2 == 0 else frameworks[::-1]
+                order = decoders if rep % 2 == 0 else decoders[::-1]
                 for fw in order:
                     r = workers[fw]("decode", kind=kind)
                     outputs[fw].setdefault(kind, r.pop("outputs"))
@@ -579,15 +639,19 @@ def run_config(name, args, machine, peak):
                 print(f"   {kind} rep {rep + 1}/{args.decode_reps}: " + "  ".join(
                     f"{fw} {dec[fw][kind][-1]['seconds']:.2f} s "
                     f"({dec[fw][kind][-1]['sentences'] / dec[fw][kind][-1]['seconds']:.1f} sent/s,"
-                    f" {dec[fw][kind][-1]['out_tokens']} tokens out)" for fw in frameworks),
+                    f" {dec[fw][kind][-1]['out_tokens']} tokens out)" for fw in decoders),
                     flush=True)
         res["decode"] = {fw: {kind: summarize_decode(dec[fw][kind]) for kind in dec[fw]}
-                         for fw in frameworks}
+                         for fw in decoders}
         res["decode_reps"] = dec
         if args.torch:
             res["decode_agreement"] = {kind: agreement(outputs["ours"][kind],
                                                        outputs["torch"][kind])
                                        for kind in ("greedy", "beam")}
+        if "ctranslate2" in decoders:
+            res["decode_agreement_ctranslate2"] = {
+                kind: agreement(outputs["ours"][kind], outputs["ctranslate2"][kind])
+                for kind in ("greedy", "beam")}
     finally:
         for w in workers.values():
             w.close()
@@ -667,7 +731,7 @@ def print_summary(res):
           + ", ".join(f"{fw} {100 * tr[fw]['mfu']:.1f}%" for fw in fws))
     for kind in ("greedy", "beam"):
         print(f"   {kind} sent/s: " + ", ".join(f"{fw} {dec[fw][kind]['sentences_per_s']:.1f}"
-                                                 for fw in fws)
+                                                 for fw in dec)
               + (f"  -> ours/torch {r[kind]:.2f}x (target >= "
                  f"{report.target(kind, res['config'])}x; best of "
                  f"{dec['ours'][kind]['reps']}: {r[kind + '_best']:.2f}x)" if r else ""))
@@ -732,6 +796,9 @@ def parse_args(argv=None):
                         "over gloo); needs pip install -e .[mpi]. Decoding stays one process")
     p.add_argument("--no-torch", dest="torch", action="store_false",
                    help="measure minitransformer only")
+    p.add_argument("--no-ctranslate2", dest="ct2", action="store_false",
+                   help="leave CTranslate2 out of the decoding rows (it is measured on the CPU "
+                        "where it is installed: pip install -e .[deploy])")
     p.add_argument("--profile", nargs="*", default=["tiny"], metavar="CONFIG",
                    help="configs whose training step is profiled, op by op and module by "
                         "module (minitransformer's profiler: time, GFLOP/s, MFU; default tiny; "
@@ -739,7 +806,7 @@ def parse_args(argv=None):
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"),
                    help="report to write; raw results go to results/ beside it")
     # internal: run as a worker process
-    p.add_argument("--worker", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["ours", "torch", "ctranslate2"], help=argparse.SUPPRESS)
     p.add_argument("--init", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)

@@ -236,8 +236,30 @@ def details(r):
         out.append(f"Identical outputs ours vs torch: greedy {a['greedy']['identical']}/"
                    f"{a['greedy']['of']}, beam {a['beam']['identical']}/{a['beam']['of']} "
                    f"sentences (same weights; differences come from float rounding in near-ties).")
+    if "decode_agreement_ctranslate2" in r:
+        a = r["decode_agreement_ctranslate2"]
+        out.append(f"Identical outputs ours vs CTranslate2 float32: greedy "
+                   f"{a['greedy']['identical']}/{a['greedy']['of']}, beam "
+                   f"{a['beam']['identical']}/{a['beam']['of']} sentences.")
     out.append("")
     return "\n".join(out)
+
+
+def ctranslate2_table(runs):
+    """Decoding sentences/s of ours, torch and CTranslate2 float32 (where it ran)."""
+    rows = ["| config | device, threads | search | ours | torch | CTranslate2 float32 | "
+            "ours / CTranslate2 |", "|---|---|---|---:|---:|---:|---:|"]
+    for r in runs:
+        d = r["decode"]
+        if "ctranslate2" not in d:
+            continue
+        for kind, label in (("greedy", "greedy"), ("beam", f"beam {r['settings']['beam']}")):
+            a, c = d["ours"][kind]["sentences_per_s"], d["ctranslate2"][kind]["sentences_per_s"]
+            rows.append(f"| {r['config']} | {_where(r)} | {label}, sentences/s (median of "
+                        f"{d['ours'][kind]['reps']}) | {a:.1f} | "
+                        f"{_fmt(_get(d, 'torch', kind, 'sentences_per_s'), '.1f')} | {c:.1f} | "
+                        f"{a / c:.2f}x |")
+    return "\n".join(rows) if len(rows) > 2 else None
 
 
 def profile(r):
@@ -388,8 +410,13 @@ def write(path):
              "jobs while measuring, so absolute numbers are noisy; the ratios come from "
              "interleaved measurements in one run.", ""]
     if runs:
-        parts += ["## Summary", "", summary(runs), "", "## Machine", "", machine(runs), "",
-                  "## Details", ""]
+        parts += ["## Summary", "", summary(runs), ""]
+        ct2 = ctranslate2_table(runs)
+        if ct2:
+            parts += ["Decoding against CTranslate2 as well (the same weights exported with "
+                      "`python -m minitransformer.export`; each batch split by maximum output "
+                      "length, which CTranslate2 takes once per call):", "", ct2, ""]
+        parts += ["## Machine", "", machine(runs), "", "## Details", ""]
         parts += [details(r) for r in runs]
         parts += [profile(r) for r in runs if "profile" in r]
     if scaling:

@@ -1,9 +1,15 @@
 """Decoding (§6.1): greedy and batched beam search with cached keys and values.
 
-Both run the decoder incrementally: at step t only the newest token is fed; each decoder
-layer keeps its self-attention keys/values from earlier steps in a cache (B*, H, t, K), and the
-encoder-decoder attention keys/values are computed from the encoder output once.
-Sentences that finish leave the batch, so the remaining ones run on smaller arrays.
+Both run the decoder incrementally through the model's own modules (nn/decoder_state.py says
+what is carried): at step t only the newest token is fed, under no_grad, so no tape is built.
+Each decoder layer writes this step's self-attention keys/values into buffers allocated for
+the longest output (one product with [W_q W_k W_v] gives q, k and v); the encoder-decoder
+keys/values are computed once per sentence, and a sentence's beams attend to them as one
+block of queries; the source mask is built once per batch. Sentences that finish leave the
+batch (their rows are compacted in place), so the remaining ones run on smaller arrays. The
+search reads back only what it decides on: greedy, the argmax of each row; beam search, the
+2 * beam best tokens of each beam, normalised to log-probabilities only there
+(``log_softmax_at``).
 
 Beam search keeps ``beam`` hypotheses per sentence, ranked by their summed log-probability;
 finished ones are ranked by the GNMT-normalised score  log P(Y|X) / lp(Y) with
