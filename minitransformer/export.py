@@ -1,0 +1,544 @@
+"""python -m minitransformer.export ctranslate2: a trained run as a CTranslate2 model directory.
+
+    python -m minitransformer.export ctranslate2 --run-dir runs/ende --output ende-ct2 \\
+        [--checkpoint FILE ... | --average-last 5] [--quantization int8] [--force]
+
+The model is described through CTranslate2's specification API (``ctranslate2.specs``) and
+saved with it; nothing else of CTranslate2 is used. The output directory holds model.bin,
+config.json, shared_vocabulary.json (CTranslate2's files), spm.model (the run's sentencepiece
+model, to tokenize) and minitransformer.json (the export's source and model config). It is
+built in a temporary directory beside --output and renamed into place at the end, so an
+interrupted export leaves nothing half-written; an existing non-empty --output is replaced
+only with --force (and only when it holds a CTranslate2 model). The run directory is only read.
+
+Usage (pieces in, pieces out; translate_options sets the decoding options below)::
+
+    import ctranslate2, sentencepiece as spm
+    from minitransformer.export import translate_options
+    sp = spm.SentencePieceProcessor(model_file="ende-ct2/spm.model")
+    pieces = sp.encode("the small dog sees a cat", out_type=str)
+    out = ctranslate2.Translator("ende-ct2").translate_batch(
+        [pieces], **translate_options("ende-ct2", len(pieces), beam=4))
+    print(sp.decode(out[0].hypotheses[0]))
+
+Mapping (ours -> CTranslate2 TransformerSpec; our Linear weights are (in, out) and applied as
+x W + b, CTranslate2's are (out, in), so every matrix is transposed):
+    embedding (V, D) or src_embedding     encoder/embeddings_0/weight
+    embedding or tgt_embedding            decoder/embeddings/weight
+    embedding, or out_proj.weight^T       decoder/projection/weight (no bias); a shared
+                                          matrix is stored once (CTranslate2 aliases it)
+    x sqrt(D)                             scale_embeddings (CTranslate2's default, sqrt(D))
+    sinusoid table or positions (P, D)    {encoder,decoder}/position_encodings/encodings
+    encoder.{i}.self_attn.{wq,wk,wv}      encoder/layer_{i}/self_attention/linear_0: one
+                                          (3D, D) matrix [Wq Wk Wv]^T, bias [bq bk bv]
+    encoder.{i}.self_attn.wo              .../self_attention/linear_1
+    encoder.{i}.sub1.norm                 .../self_attention/layer_norm
+    encoder.{i}.ff.w1, ff.w2, sub2.norm   .../ffn/linear_0, linear_1, layer_norm (ReLU)
+    decoder.{i}.self_attn, sub1.norm      decoder/layer_{i}/self_attention (as above)
+    decoder.{i}.cross_attn.wq             .../attention/linear_0
+    decoder.{i}.cross_attn.{wk,wv}        .../attention/linear_1: (2D, D) [Wk Wv]^T
+    decoder.{i}.cross_attn.wo, sub2.norm  .../attention/linear_2, layer_norm
+    decoder.{i}.ff, sub3.norm             .../ffn
+    enc_norm, dec_norm (norm='pre')       encoder/layer_norm, decoder/layer_norm
+    norm 'post' / 'pre'                   pre_norm=False / True: a sub-layer's layer_norm is
+                                          applied after its residual add, or to its input
+    ln_eps                                config.json layer_norm_epsilon (CTranslate2 reads it
+                                          for every LayerNorm; unset it would be 1e-5)
+    pad/unk/bos/eos ids                   their sentencepiece pieces as unk_token,
+                                          bos_token (= decoder_start_token), eos_token
+    EOS after the source                  add_source_eos=True: plain pieces go in
+Positions: CTranslate2's own sinusoids are [sin | cos] with log-timescale increments
+log(10000) / (D/2 - 1) and start at position 1, neither ours, so our table (either layout,
+or the learned one) is written as the encodings. CTranslate2 adds row ``step + t`` to the t-th
+input of a call: the source's first piece gets row 0, the decoder's BOS row 0 and the n-th
+output token (fed at step n) row n, as in our model. The table has max_positions (P) rows, and
+CTranslate2 refuses a longer input or output ("No position encodings are defined for
+positions >= P"): translate_options passes max_input_length=P (a longer source is cut to its
+first P - 1 pieces and EOS, as translation.py cuts ours) and a decoding length of at most P - 1.
+
+Refused (exit code 2, one line naming the config field): a config field or value this exporter
+does not know (a newer minitransformer: export with that version), n_layers < 1 (CTranslate2
+needs a layer in each stack), max_positions < 2 (no room for a source piece and EOS), and
+special-token ids outside the vocabulary or equal to one another.
+
+Decoding equivalence (float32 export, CPU; checked by tests/test_export.py):
+  * ``beam_size=1`` is our ``greedy_search``, token for token, given the options below.
+  * Beam search, length penalty: CTranslate2 divides a finished hypothesis's log-probability
+    by ``n ** length_penalty`` with n the tokens it generated, EOS included (its hypotheses
+    keep EOS until the end; return_end_token only decides whether EOS is returned). Ours
+    divides by |Y| ** alpha ('power') or ((5 + |Y|) / 6) ** alpha ('gnmt', the default), |Y|
+    without EOS. So no option of ours matches length_penalty > 0 exactly: 'power' with
+    alpha = length_penalty is the nearest, and differs only in counting EOS ((|Y| + 1) **
+    alpha against |Y| ** alpha for a hypothesis ending in EOS; both count t tokens for one cut
+    at the maximum length, and both give an empty hypothesis the divisor 1). That is enough to
+    change which hypothesis wins now and then: CTranslate2 favours short ones slightly more.
+    alpha = 0 (length_penalty=0, either of our kinds) matches exactly.
+  * Beam search, otherwise: both keep ``beam`` hypotheses, take the 2 * beam best candidates a
+    step, finish a candidate ending in EOS only among the ``beam`` best, and stop a sentence
+    at ``beam`` finished ones (CTranslate2's patience=1; with length_penalty=0 it stops as soon
+    as its best candidate ends, which cannot change the best: every later hypothesis scores
+    lower). They can still differ: (1) we never extend a hypothesis with padding or BOS, yet
+    keep both in the softmax's normaliser; CTranslate2 can do one of the two only:
+    suppress_sequences takes them out before the softmax, which shifts every step's
+    log-probabilities by log(1 - p(pad) - p(BOS)) (3e-3 on average, up to 3e-2, in a model
+    trained for seconds with label smoothing: enough to reorder close beams in 2 to 3% of
+    sentences), while without it they stay in the normaliser but may be candidates. So
+    translate_options suppresses them for greedy search (the argmax is then exactly ours)
+    and not for beam search (200 of 200 sentences identical with length_penalty=0 on the
+    tests' model; a pad or BOS candidate would show up as a difference); (2) at the maximum
+    length CTranslate2 finishes the ``beam`` best candidates, we the EOS ones among them and
+    then the ``beam`` best that continue, which may include ranks beam+1..2*beam; (3)
+    CTranslate2 sums scores in float32, we in float64 (a near tie can go either way).
+  * Options that must be set (translate_options returns them): max_decoding_length =
+    min(source pieces + 1 + max_len_a, P - 1) (ours is per sentence: batch sources of one
+    length, or translate one at a time); min_decoding_length=0 (its default 1 forbids an
+    immediate EOS, which we allow); for beam 1 suppress_sequences=[[pad piece], [BOS piece]]
+    (we never generate them); max_input_length=P; length_penalty=alpha; the defaults patience=1,
+    num_hypotheses=1, sampling_topk=1, coverage_penalty=0, repetition_penalty=1,
+    no_repeat_ngram_size=0, disable_unk=False, return_end_token=False (EOS not returned, as
+    ours), prefix_bias_beta=0. An empty source line: we output an empty line without
+    decoding; CTranslate2 would translate the lone EOS, so skip empty lines yourself.
+  * The layer norm epsilon is honoured (config.json layer_norm_epsilon; without it
+    CTranslate2 would use 1e-5, or 1e-6 for RMS norms): log-probabilities of a model with
+    ln_eps=0.5 agree with ours to 1e-6, as for every config above.
+  * int8 and float16 exports are approximations: their outputs may differ from ours.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from typing import Any, Optional, Sequence, Union
+
+from .mt.ranges import add_number
+from .process import configure_process
+
+USER_ERROR = 2     # a flag, the run or its config cannot be exported: the message says why
+MACHINE_ERROR = 1  # the machine could not finish (e.g. the disk filled up while writing)
+INTERRUPTED = 128 + signal.SIGINT
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
+                 "float16", "bfloat16", "float32")  # CTranslate2's ACCEPTED_MODEL_TYPES
+INFO_FILE = "minitransformer.json"  # what was exported, read by translate_options
+KNOWN = {"norm": ("post", "pre"), "positions": ("sinusoidal", "learned"),
+         "sinusoid_layout": ("interleaved", "concat")}
+IGNORED = {"dropout", "attention_dropout", "relu_dropout", "label_smoothing", "smoothing"}
+MAPPED = {"vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "norm", "positions",
+          "sinusoid_layout", "max_positions", "share_embeddings", "ln_eps", "pad_id", "bos_id",
+          "eos_id"}
+INTEGERS = ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions", "pad_id",
+            "bos_id", "eos_id")
+
+
+class ExportError(ValueError):
+    """The run, its config or an option cannot be exported: one line saying what to do."""
+
+
+# ----------------------------------------------------------------------------- the API
+
+def export_ctranslate2(run_dir: Union[str, os.PathLike], output: Union[str, os.PathLike],
+                       checkpoint: Union[None, str, os.PathLike, Sequence] = None,
+                       average_last: Optional[int] = None, quantization: Optional[str] = None,
+                       force: bool = False) -> str:
+    """Convert the run in ``run_dir`` into a CTranslate2 model directory ``output``.
+
+    The model is the run's best checkpoint (else its last), ``checkpoint`` (one path, or a
+    list of paths to average), or the average of its last ``average_last`` periodic
+    checkpoints. ``quantization``: one of QUANTIZATIONS, or None to keep float32. An
+    existing non-empty ``output`` is replaced only with ``force``. -> the output path.
+    Raises ExportError for anything the user can fix (the message names it).
+    """
+    run_dir, output = os.fspath(run_dir), os.fspath(output)
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ExportError(f"--quantization {quantization}: not a CTranslate2 type; choose one "
+                          f"of {', '.join(QUANTIZATIONS)}")
+    checkpoints = _checkpoint_list(checkpoint)
+    _check_run(run_dir, checkpoints, average_last)
+    _check_output(output, run_dir, force)
+    checkpoints = _chosen(run_dir, checkpoints, average_last)
+    problem = unsupported(_peek_config(checkpoints[0]))
+    if problem:
+        raise ExportError(f"{checkpoints[0]}: {problem}")
+    ct2 = _import_ctranslate2()
+    model, tok, what = _load(run_dir, checkpoints)
+    spec = model_spec(model, tok, ct2)
+    info = {"exported_from": os.path.abspath(run_dir), "checkpoint": what,
+            "quantization": quantization or "float32", "config": _config_dict(model.cfg),
+            "pad_token": tok.id_to_piece(model.cfg.pad_id),
+            "bos_token": tok.id_to_piece(model.cfg.bos_id)}
+    _write_atomically(output, lambda tmp: _save(spec, quantization, tok.model_path, info, tmp))
+    return output
+
+
+def translate_options(model_dir: Union[str, os.PathLike], source_length: int, beam: int = 1,
+                      alpha: float = 0.0, max_len_a: int = 50) -> dict:
+    """Keyword arguments for ``ctranslate2.Translator.translate_batch`` that make it search as
+    mt/search.py does with ``beam``, ``alpha`` and ``max_len_a``, for a batch of sources of
+    ``source_length`` pieces each (EOS not counted): exactly for beam 1 (greedy_search) and
+    for alpha 0; for alpha > 0 it becomes CTranslate2's length_penalty, which counts EOS in
+    the length where our 'power' does not (see the module docstring)."""
+    with open(os.path.join(os.fspath(model_dir), INFO_FILE), encoding="utf-8") as f:
+        info = json.load(f)
+    P = info["config"]["max_positions"]
+    fed = min(source_length, P - 1) + 1  # the source as the encoder sees it, EOS included
+    options = dict(beam_size=beam, max_decoding_length=max(1, min(fed + max_len_a, P - 1)),
+                   min_decoding_length=0, max_input_length=P, num_hypotheses=1, patience=1,
+                   return_end_token=False, sampling_topk=1)
+    if beam > 1:  # padding and BOS stay in the softmax's normaliser, as in ours
+        options["length_penalty"] = float(alpha)
+    else:  # never the argmax, as in ours
+        options["suppress_sequences"] = [[info["pad_token"]], [info["bos_token"]]]
+    return options
+
+
+# ----------------------------------------------------------------------------- the mapping
+
+def model_spec(model: Any, tok: Any, ct2: Any) -> Any:
+    """Our Transformer ``model`` (its tokenizer ``tok``) -> a ctranslate2.specs.TransformerSpec
+    holding its weights (float32; the module docstring lists the mapping)."""
+    import numpy as np
+    cfg, p = model.cfg, model.state_dict()
+    spec = ct2.specs.TransformerSpec.from_config(
+        num_layers=cfg.n_layers, num_heads=cfg.n_heads, pre_norm=cfg.norm == "pre",
+        activation=ct2.specs.Activation.RELU)
+    table = p["positions"] if cfg.positions == "learned" else np.asarray(model.pe)
+    if cfg.share_embeddings:
+        src, tgt, proj = p["embedding"], p["embedding"], p["embedding"]
+    else:
+        src, tgt, proj = p["src_embedding"], p["tgt_embedding"], p["out_proj.weight"].T
+    spec.encoder.embeddings[0].weight = _array(src)
+    spec.decoder.embeddings.weight = _array(tgt)
+    spec.decoder.projection.weight = _array(proj)
+    spec.encoder.position_encodings.encodings = _array(table)
+    spec.decoder.position_encodings.encodings = _array(table)
+    for i, layer in enumerate(spec.encoder.layer):
+        _self_attention(layer.self_attention, p, f"encoder.{i}.self_attn", f"encoder.{i}.sub1")
+        _ffn(layer.ffn, p, f"encoder.{i}.ff", f"encoder.{i}.sub2")
+    for i, layer in enumerate(spec.decoder.layer):
+        _self_attention(layer.self_attention, p, f"decoder.{i}.self_attn", f"decoder.{i}.sub1")
+        _cross_attention(layer.attention, p, f"decoder.{i}.cross_attn", f"decoder.{i}.sub2")
+        _ffn(layer.ffn, p, f"decoder.{i}.ff", f"decoder.{i}.sub3")
+    if cfg.norm == "pre":
+        _norm(spec.encoder.layer_norm, p, "enc_norm")
+        _norm(spec.decoder.layer_norm, p, "dec_norm")
+    _spec_config(spec.config, cfg, tok)
+    _vocabulary(spec, tok)
+    return spec
+
+
+def _array(a):
+    import numpy as np
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _linear(spec, p, *names):
+    """Our Linears ``names`` (weights (D, out_j)) side by side: x [W_1 W_2 ..] + [b_1 b_2 ..]
+    -> CTranslate2's one Linear, weight (sum out_j, D) = [W_1 W_2 ..]^T."""
+    import numpy as np
+    spec.weight = _array(np.concatenate([p[f"{n}.weight"] for n in names], axis=1).T)
+    spec.bias = _array(np.concatenate([p[f"{n}.bias"] for n in names]))
+
+
+def _norm(spec, p, name):
+    spec.gamma, spec.beta = _array(p[f"{name}.gamma"]), _array(p[f"{name}.beta"])
+
+
+def _self_attention(spec, p, attn, sub):
+    """linear_0: q, k and v in one product (their heads are K-column blocks in both); linear_1:
+    the output projection; layer_norm: the norm of the sub-layer around it."""
+    _linear(spec.linear[0], p, f"{attn}.wq", f"{attn}.wk", f"{attn}.wv")
+    _linear(spec.linear[1], p, f"{attn}.wo")
+    _norm(spec.layer_norm, p, f"{sub}.norm")
+
+
+def _cross_attention(spec, p, attn, sub):
+    """linear_0: queries from the decoder; linear_1: keys and values of the memory in one
+    product; linear_2: the output projection."""
+    _linear(spec.linear[0], p, f"{attn}.wq")
+    _linear(spec.linear[1], p, f"{attn}.wk", f"{attn}.wv")
+    _linear(spec.linear[2], p, f"{attn}.wo")
+    _norm(spec.layer_norm, p, f"{sub}.norm")
+
+
+def _ffn(spec, p, ff, sub):
+    _linear(spec.linear_0, p, f"{ff}.w1")
+    _linear(spec.linear_1, p, f"{ff}.w2")
+    _norm(spec.layer_norm, p, f"{sub}.norm")
+
+
+def _spec_config(config, cfg, tok):
+    """CTranslate2's config.json: our LayerNorm epsilon, special tokens by their pieces, and
+    the EOS our sources end with."""
+    config.layer_norm_epsilon = float(cfg.ln_eps)
+    config.unk_token = tok.id_to_piece(tok.unk_id)
+    config.bos_token = tok.id_to_piece(cfg.bos_id)
+    config.eos_token = tok.id_to_piece(cfg.eos_id)
+    config.decoder_start_token = config.bos_token
+    config.add_source_bos, config.add_source_eos = False, True
+
+
+def _vocabulary(spec, tok):
+    """The sentencepiece pieces in id order, for source and target (saved once, shared)."""
+    pieces = [tok.id_to_piece(i) for i in range(tok.vocab_size)]
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def unsupported(config: dict) -> Optional[str]:
+    """Why the model config ``config`` (a dict, as checkpoints store it) cannot be exported
+    exactly, in one line naming the field, or None when it can."""
+    unknown = sorted(set(config) - MAPPED - IGNORED)
+    if unknown:
+        return (f"config field {unknown[0]!r} is unknown to this exporter (a newer "
+                "minitransformer?); export with the version that trained the model")
+    for field in INTEGERS:
+        if field in config and (not isinstance(config[field], int) or
+                                isinstance(config[field], bool)):
+            return (f"config field {field}={config[field]!r} is not an integer; the "
+                    "checkpoint is damaged or not a minitransformer checkpoint")
+    for field, allowed in KNOWN.items():
+        if field in config and config[field] not in allowed:
+            return (f"config field {field}={config[field]!r} has no CTranslate2 mapping "
+                    f"(supported: {', '.join(allowed)}); export with the version that "
+                    "trained the model")
+    if config.get("n_layers", 1) < 1:
+        return (f"config field n_layers={config['n_layers']}: CTranslate2 needs at least "
+                "one encoder and one decoder layer; this model cannot be exported")
+    if config.get("max_positions", 2) < 2:
+        return (f"config field max_positions={config['max_positions']}: the position table "
+                "is too short for a source piece and EOS; retrain with --max-positions >= 2")
+    return _special_ids_problem(config)
+
+
+def _special_ids_problem(config):
+    ids = {k: config.get(k, d) for k, d in (("pad_id", 0), ("bos_id", 2), ("eos_id", 3))}
+    V = config.get("vocab_size", 8000)
+    for name, i in ids.items():
+        if not 0 <= i < V:
+            return (f"config field {name}={i} is outside the vocabulary (vocab_size {V}); "
+                    "the checkpoint is damaged or not this run's")
+    if len(set(ids.values())) < 3:
+        return (f"config fields pad_id, bos_id, eos_id ({', '.join(map(str, ids.values()))}) "
+                "must be three different ids for CTranslate2's special tokens; this model cannot "
+                "be exported")
+    return None
+
+
+def _checkpoint_list(checkpoint):
+    if checkpoint is None:
+        return None
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return [os.fspath(checkpoint)]
+    return [os.fspath(c) for c in checkpoint] or None
+
+
+def _import_ctranslate2():
+    try:
+        import ctranslate2
+        import ctranslate2.specs  # noqa: F401
+    except ImportError as exc:
+        raise ExportError(f"ctranslate2 cannot be imported ({exc}); install it with "
+                          "`pip install ctranslate2` (or `pip install -e .[deploy]`)") from None
+    return ctranslate2
+
+
+def _check_run(run_dir, checkpoints, average_last):
+    """translate.py's checks of --run-dir, --checkpoint and --average-last."""
+    from .mt.translate import UsageError, check_run_dir
+    args = argparse.Namespace(run_dir=run_dir, checkpoint=checkpoints,
+                              average_last=average_last or 0)
+    try:
+        check_run_dir(args)
+    except UsageError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _check_output(output, run_dir, force):
+    """Refuse an --output that is a file, would replace the run, or is a non-empty directory
+    (without --force, or with --force when it is not a CTranslate2 model directory)."""
+    real = os.path.realpath(output)
+    if os.path.realpath(run_dir) == real or \
+            os.path.realpath(run_dir).startswith(real.rstrip(os.sep) + os.sep):
+        raise ExportError(f"--output {output} is the run directory or contains it; give a "
+                          "new directory for the CTranslate2 model")
+    _check_writable(output)
+    if not os.path.lexists(output):
+        return
+    if not os.path.isdir(output) or os.path.islink(output):
+        raise ExportError(f"--output {output} exists and is not a directory; give a new "
+                          "directory for the CTranslate2 model")
+    if os.listdir(output) and not force:
+        raise ExportError(f"--output {output} exists and is not empty; give a new directory, "
+                          "or --force to replace it")
+    if os.listdir(output) and not os.path.isfile(os.path.join(output, "model.bin")):
+        raise ExportError(f"--output {output} is not empty and holds no model.bin: --force "
+                          "replaces only a CTranslate2 model directory; give a new directory")
+
+
+def _check_writable(output):
+    """Refuse an --output whose nearest existing parent directory we cannot write into."""
+    parent = os.path.dirname(os.path.abspath(output))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"--output {output}: cannot create it ({parent} is not a writable "
+                          "directory); choose a path you can write to")
+
+
+def _chosen(run_dir, checkpoints, average_last):
+    """The checkpoint files to export: translate.py's choice (RunDir.choose_checkpoints)."""
+    from .mt import checkpoint as ckpt
+    from .mt.rundir import RunDir
+    if average_last or not checkpoints:
+        try:
+            return RunDir(run_dir).choose_checkpoints(average_last or 0)
+        except ckpt.CheckpointError as exc:
+            raise ExportError(str(exc)) from None
+    return checkpoints
+
+
+def _load(run_dir, checkpoints):
+    """-> (model, tokenizer, description) as translate.py loads them (averaged when several)."""
+    from .mt import checkpoint as ckpt
+    from .mt.data import DataError
+    from .mt.translate import load_model
+    try:
+        return load_model(run_dir, checkpoints, 0, "cpu")
+    except (ckpt.CheckpointError, DataError, ValueError) as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _peek_config(path):
+    """The model config stored in checkpoint ``path``, reading only its meta entry ({} when it
+    cannot be read: load_model then says what is wrong with the file)."""
+    import numpy as np
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            config = json.loads(str(z["meta"])).get("config")
+    except Exception:  # any damage: load_model reports it
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _config_dict(cfg):
+    import dataclasses
+    return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------- writing
+
+def _save(spec, quantization, spm_model, info, directory):
+    """Validate, quantize and save ``spec`` into ``directory``, with spm.model and INFO_FILE."""
+    try:
+        spec.validate()
+        spec.optimize(quantization=quantization)
+    except (RuntimeError, ValueError) as exc:  # e.g. bfloat16 without torch
+        raise ExportError(f"--quantization {quantization}: {exc}") from None
+    spec.save(directory)
+    shutil.copyfile(spm_model, os.path.join(directory, "spm.model"))
+    with open(os.path.join(directory, INFO_FILE), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _write_atomically(output, fill):
+    """Call ``fill(tmp)`` on a new directory beside ``output``, flush its files to disk, then
+    rename it to ``output`` (an existing one is moved aside first and removed after)."""
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    name = os.path.basename(os.path.abspath(output))
+    tmp = tempfile.mkdtemp(prefix=".tmp-", suffix="-" + name, dir=parent)
+    old = None
+    try:
+        fill(tmp)
+        _sync_directory(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())
+        if os.path.isdir(output) and os.listdir(output):
+            old = tempfile.mkdtemp(prefix=".old-", suffix="-" + name, dir=parent)
+            os.rename(output, os.path.join(old, name))
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not os.path.exists(output):  # put the old model back
+            os.rename(os.path.join(old, name), output)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _sync_directory(path):
+    """Flush the files of directory ``path``, and its entries, to disk."""
+    for name in os.listdir(path) + [os.curdir]:
+        fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ----------------------------------------------------------------------------- main
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m minitransformer.export",
+                                description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="target", required=True, metavar="TARGET")
+    c = sub.add_parser("ctranslate2", help="a CTranslate2 model directory",
+                       description="Convert a trained run into a CTranslate2 model directory "
+                                   "(see `pydoc minitransformer.export`).")
+    c.add_argument("--run-dir", required=True, help="the training run (config.json, "
+                                                    "spm.model, checkpoints); only read")
+    c.add_argument("--checkpoint", nargs="+", default=None,
+                   help="checkpoint file(s); several are averaged (default: the run's best, "
+                        "else last)")
+    add_number(c, "--average-last", int, ">= 1", default=None, metavar="N",
+               help="average the run's last N periodic checkpoints (wins over --checkpoint)")
+    c.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="weight type (default: float32, the only exact one)")
+    c.add_argument("--output", required=True, help="the model directory to write")
+    c.add_argument("--force", action="store_true",
+                   help="replace an existing CTranslate2 model directory at --output")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """-> exit code: 0; 2 when the run, a flag or --output is wrong (one `error:` line saying
+    what to do); 1 when the machine could not finish writing; 130 on Ctrl-C."""
+    args = build_parser().parse_args(argv)
+    try:
+        out = export_ctranslate2(args.run_dir, args.output, args.checkpoint, args.average_last,
+                                 args.quantization, args.force)
+    except ExportError as exc:
+        return _fail(str(exc), USER_ERROR)
+    except OSError as exc:
+        from .mt.fileio import describe_os_error
+        return _fail(f"cannot write {args.output}: {describe_os_error(exc)}", MACHINE_ERROR)
+    except MemoryError:
+        return _fail("out of memory while converting the model; free some memory or export "
+                     "on a machine with more", MACHINE_ERROR)
+    except KeyboardInterrupt:
+        return _fail("interrupted (Ctrl-C); nothing was written", INTERRUPTED)
+    print(f"wrote {out}: CTranslate2 model ({args.quantization or 'float32'}) with spm.model; "
+          f"decode as our search does with minitransformer.export.translate_options")
+    return 0
+
+
+def _fail(message, code):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    configure_process()  # BLAS, malloc and TF32 settings, before NumPy loads
+    sys.exit(main())
