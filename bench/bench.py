@@ -371,6 +371,16 @@ class TorchRunner(Runner):
         return dict(gflops=common.gemm_gflops(t.matmul, make, n, 5, self.sync), n=n)
 
 
+class _Pieces:
+    """What export.model_spec reads of a tokenizer, for the bench's made-up vocabulary."""
+
+    def __init__(self, vocab):
+        self.vocab, self.vocab_size, self.unk_id = vocab, len(vocab), 1
+
+    def id_to_piece(self, i):
+        return self.vocab[i]
+
+
 class CT2Runner(Runner):
     """Decoding only: the same initial weights, exported to CTranslate2 float32
     (``minitransformer.export``) and searched by ``ctranslate2.Translator`` with
@@ -382,15 +392,17 @@ class CT2Runner(Runner):
     def build(self):
         import ctranslate2
         import minitransformer.nn.transformer as tr
-        from minitransformer.export import write_ctranslate2
+        from minitransformer.export import model_spec
         self.sync, self.ct2 = (lambda: None), ctranslate2
         model = tr.Transformer(tr.TransformerConfig.from_dict(self.cfg))
         model.load_state_dict(np.load(self.args.init))
         V = self.cfg["vocab_size"]
         self.vocab = ["<blank>", "<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(4, V)]
         self.dir = tempfile.mkdtemp(prefix="minitransformer-bench-ct2-")
-        write_ctranslate2(model, self.vocab, os.path.join(self.dir, "model"))
-        self.translator = ctranslate2.Translator(os.path.join(self.dir, "model"), device="cpu",
+        spec = model_spec(model, _Pieces(self.vocab), ctranslate2)
+        spec.validate()
+        spec.save(self.dir)
+        self.translator = ctranslate2.Translator(self.dir, device="cpu",
                                                  inter_threads=1,
                                                  intra_threads=self.args.threads)
         self.index = {t: i for i, t in enumerate(self.vocab)}
@@ -797,8 +809,8 @@ def parse_args(argv=None):
     p.add_argument("--no-torch", dest="torch", action="store_false",
                    help="measure minitransformer only")
     p.add_argument("--ctranslate2", dest="ct2", action="store_true",
-                   help="also decode with CTranslate2 float32 (unfinished: its worker still "
-                        "needs an export entry point for the bench's made-up vocabulary)")
+                   help="also decode with CTranslate2 float32, the same initial weights "
+                        "exported (CPU; needs pip install -e .[deploy])")
     p.add_argument("--profile", nargs="*", default=["tiny"], metavar="CONFIG",
                    help="configs whose training step is profiled, op by op and module by "
                         "module (minitransformer's profiler: time, GFLOP/s, MFU; default tiny; "

@@ -34,8 +34,8 @@ class SelfCache:
         R, H, T, K = k.shape
         if self.k_buf is None:
             self.rows, cap = R, max(self.capacity or 64, T)
-            self.k_buf = backend.get_array_module(k).empty((R, H, cap, K), k.dtype)
-            self.v_buf = backend.get_array_module(k).empty((R, H, cap, K), k.dtype)
+            xp = backend.get_array_module(k)
+            self.k_buf, self.v_buf = (xp.empty((R, H, cap, K), k.dtype) for _ in range(2))
         elif self.length + T > self.k_buf.shape[2]:
             self._grow(self.length + T)
         end = self.length + T
@@ -81,6 +81,12 @@ class CrossCache:
     def __init__(self, group=1):
         self.group, self.k, self.v = group, None, None
 
+    def fill(self, attention, memory):
+        """Compute the keys and values of ``memory`` with ``attention`` (the layer's
+        MultiHeadAttention), unless they are here already."""
+        if self.k is None:
+            self.k, self.v = (t.data for t in attention.memory_kv(memory))
+
     def take(self, sentences):
         if self.k is not None:
             idx = backend.get_array_module(self.k).asarray(sentences)
@@ -116,13 +122,14 @@ class DecoderState:
         g = self.group
         if rows is None:
             rows = (sentences[:, None] * g + np.arange(g)).reshape(-1)
+        rows = np.asarray(rows, dtype=np.int64)
         if len(sentences) < self.sentences:
             self.src_bias = self.src_bias[backend.get_array_module(self.src_bias).asarray(
                 sentences)]
             for layer in self.layers:
                 layer["cross"].take(sentences)
         for layer in self.layers:
-            layer["self"].take(np.asarray(rows, dtype=np.int64))
+            layer["self"].take(rows)
 
     def reorder_beams(self, rows):
         """Row i continues the tokens fed so far in row ``rows[i]`` (host int array; a row

@@ -12,6 +12,7 @@ from ..engine import ops
 from ..engine.attention import attention_probabilities, scaled_dot_product_attention
 from ..engine.residual import dropout_residual
 from ..engine.tensor import Tensor
+from .decoder_state import CrossCache, SelfCache
 from .module import Dropout, LayerNorm, Linear, Module
 
 
@@ -57,7 +58,7 @@ class MultiHeadAttention(Module):
         """
         H = self.n_heads
         B, T, D = query.shape
-        group = getattr(cache, "group", 1)
+        group = cache.group if isinstance(cache, CrossCache) else 1
         if group > 1:  # (B, T, D) -> (sentences, beams * T, D): queries are independent
             query = query.reshape(B // group, group * T, D)
         q, k, v = self._project(query, memory, cache)  # (B, H, T, K), (B, H, S, K) twice
@@ -90,7 +91,7 @@ class MultiHeadAttention(Module):
     def _project(self, query, memory, cache):
         """-> q (B, H, T, K) and the keys and values (B, H, S, K) it attends to."""
         H = self.n_heads
-        if cache is not None and getattr(cache, "qkv", None) is not None:
+        if isinstance(cache, SelfCache) and cache.qkv is not None:
             # self-attention, one step of decoding (no_grad): one product for q, k and v
             w, b = cache.qkv
             heads = ops.split_heads(ops.linear(query, Tensor.wrap(w), Tensor.wrap(b)),
@@ -100,9 +101,8 @@ class MultiHeadAttention(Module):
         q = ops.split_heads(self.wq(query), H)
         if cache is None:
             return (q,) + self.memory_kv(memory)
-        if hasattr(cache, "group"):  # encoder-decoder keys/values: computed at most once
-            if cache.k is None:
-                cache.k, cache.v = (t.data for t in self.memory_kv(memory))
+        if isinstance(cache, CrossCache):  # encoder-decoder keys/values: computed once
+            cache.fill(self, memory)
             return q, Tensor(cache.k), Tensor(cache.v)
         k, v = self.memory_kv(memory)  # self-attention: this step's, after the history
         return (q,) + tuple(Tensor(a) for a in cache.append(k.data, v.data))

@@ -261,8 +261,7 @@ class Transformer(Module):
             acc = backend.accumulation_dtype(self.compute_dtype)
             state = DecoderState(key_bias(src_mask, acc), len(self.decoder), beams, max_length)
             for layer, cache in zip(self.decoder, state.layers):
-                cache["cross"].k, cache["cross"].v = (t.data for t in
-                                                      layer.cross_attn.memory_kv(memory))
+                cache["cross"].fill(layer.cross_attn, memory)
                 cache["self"].qkv = layer.self_attn.fused_qkv(self.compute_dtype)
         return state
 
