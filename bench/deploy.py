@@ -7,8 +7,9 @@ CTranslate2 on the same weights (exported with ``python -m minitransformer.expor
 For each of greedy and beam search it translates the whole input, ``--reps`` times after one
 warm-up pass, with ours (``mt.translation.translate_lines``: sorted by length, batches of
 ``--max-tokens`` padded source tokens) and with CTranslate2 float32 and int8 (the same
-sentencepiece pieces, ``translate_batch`` with batches of ``--max-tokens`` tokens, which
-CTranslate2 sorts by length itself), and reports sentences/s (median of the reps), cased
+sentencepiece pieces, ``translate_batch`` with ``export.translate_options`` and batches of
+``--max-tokens`` tokens, which CTranslate2 sorts by length itself; one maximum output length
+for the whole input, the longest source's), and reports sentences/s (median of the reps), cased
 sacreBLEU, and how many outputs are token-identical to ours. Tokenizing and detokenizing are
 outside the timed region on both sides; both use ``--threads`` threads (ours: OpenBLAS,
 CTranslate2: intra_threads, one translator). The beam rows use the power length penalty
@@ -71,17 +72,18 @@ def ours(args, model, tok, lines, searches):
     return rows
 
 
-def ct2(args, model_dir, tok, lines, searches, cfg):
+def ct2(args, model_dir, tok, lines, searches):
     import ctranslate2
     tr = ctranslate2.Translator(model_dir, device="cpu", inter_threads=1,
                                 intra_threads=args.threads)
     pieces = [tok.sp.encode(line.strip(), out_type=str) for line in lines]
     rows = {}
+    from minitransformer.export import translate_options
+    longest = max(map(len, pieces))  # one maximum output length per call: the longest's
     for name, opts in searches.items():
-        beam = opts.get("beam", 1)
-        kw = dict(beam_size=beam, max_batch_size=args.max_tokens, batch_type="tokens",
-                  length_penalty=opts.get("alpha", 1.0) if beam > 1 else 1.0,
-                  max_decoding_length=cfg.max_positions - 1)
+        kw = dict(translate_options(model_dir, longest, opts.get("beam", 1),
+                                    opts.get("alpha", 0.0), args.max_len_a),
+                  max_batch_size=args.max_tokens, batch_type="tokens")
         sec, times, res = timed(lambda k=kw: tr.translate_batch(pieces, **k), args.reps)
         out = [r.hypotheses[0] for r in res]
         ids = [[tok.sp.piece_to_id(p) for p in h] for h in out]
@@ -110,7 +112,7 @@ def main(argv=None):
                 out = export_ctranslate2(args.run_dir, os.path.join(tmp, q),
                                          average_last=args.average_last or None,
                                          quantization=None if q == "float32" else q)
-                results[f"CTranslate2 {q}"] = ct2(args, out, tok, lines, searches, model.cfg)
+                results[f"CTranslate2 {q}"] = ct2(args, out, tok, lines, searches)
     report(args, results, lines, refs, what, corpus_bleu)
 
 
