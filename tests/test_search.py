@@ -116,3 +116,38 @@ def test_fused_self_attention_projection_equals_the_three_products(model):
         plain = model.logits(model.decode(history[:, t:t + 1], memory, mask, cache=cache,
                                           offset=t)).data[:, -1]
     np.testing.assert_allclose(fused, plain, rtol=1e-13, atol=1e-13)
+
+
+def test_a_cache_larger_than_its_byte_budget_starts_smaller_and_grows(model, monkeypatch):
+    # a buffer for max_length positions would be beyond BUFFER_BYTES: the first one holds
+    # what fits (here 2 positions) and is doubled as needed, with the same scores
+    from minitransformer.nn.decoder_state import SelfCache
+    rows, H, K = 3, CFG.n_heads, CFG.d_model // CFG.n_heads
+    monkeypatch.setattr(SelfCache, "BUFFER_BYTES", 2 * rows * H * K * 8)  # float64
+    src = _src()
+    history = np.random.default_rng(6).integers(4, 30, (3, 7))
+    history[:, 0] = CFG.bos_id
+    state = model.start_decoding(src, max_length=50)
+    model.next_scores(history[:, :1], state)
+    assert state.layers[0]["self"].k_buf.shape[2] == 2
+    state = model.start_decoding(src, max_length=50)
+    np.testing.assert_allclose(_feed(model, state, history), _uncached(model, src, history),
+                               rtol=1e-12, atol=1e-12)
+    assert 7 <= state.layers[0]["self"].k_buf.shape[2] < 50
+
+
+def test_decoding_with_an_unshared_output_projection():
+    # start_decoding keeps the output projection as one (D, V) array (output_weight): for
+    # separate embeddings it is out_proj's weight, for shared ones the embedding transposed
+    for share in (False, True):
+        cfg = TransformerConfig(vocab_size=30, d_model=16, n_heads=2, d_ff=32, n_layers=1,
+                                dropout=0.0, share_embeddings=share)
+        m = Transformer(cfg, seed=8, dtype=np.float64)
+        m.eval()
+        src = _src()
+        history = np.random.default_rng(7).integers(4, 30, (3, 4))
+        history[:, 0] = cfg.bos_id
+        state = m.start_decoding(src)
+        assert state.out_weight.shape == (16, 30) and state.out_weight.flags.c_contiguous
+        np.testing.assert_allclose(_feed(m, state, history), _uncached(m, src, history),
+                                   rtol=1e-12, atol=1e-12)

@@ -20,7 +20,7 @@ from .data import DataError, read_lines
 from .ranges import add_number
 from .rundir import RunDir
 from .tokenizer import Tokenizer
-from .translation import corpus_bleu, max_source_tokens, translate_lines
+from .translation import corpus_bleu, cpu_count, max_source_tokens, translate_lines
 
 USER_ERROR = 2     # a flag, a file or the run directory is wrong: the message says what to do
 MACHINE_ERROR = 1  # the machine could not finish: out of memory, output not writable
@@ -56,6 +56,10 @@ def build_parser():
                                                 "(default '-' = stdin)")
     add_search_flags(p)
     add_number(p, "--max-tokens", int, ">= 1", default=4096, help="source tokens per batch")
+    add_number(p, "--workers", int, ">= 0", default=0,
+               help="processes that translate on the CPU, each with its share of the "
+                    "input and cores / workers BLAS threads (same output as 1); "
+                    "0 = one per core when the input fills more than one batch (default)")
     p.add_argument("--reference", help="reference file: print sacreBLEU and its signature "
                                        "to stderr")
     p.add_argument("--plot-attention", metavar="DIR",
@@ -206,7 +210,8 @@ def translate(args):
     warn = _truncation_warning(_input_name(args), model.cfg)
     hyps = translate_lines(model, tok, lines, on_truncate=warn, beam=args.beam,
                            alpha=args.alpha, max_len_a=args.max_len_a,
-                           max_tokens=args.max_tokens, length_penalty=args.length_penalty)
+                           max_tokens=args.max_tokens, length_penalty=args.length_penalty,
+                           workers=args.workers or cpu_count())
     if not _write_translations(hyps):
         return MACHINE_ERROR
     if refs is not None:

@@ -6,6 +6,8 @@ than aborting the whole input; ``on_truncate`` tells the caller which lines were
 can warn. The output is capped by the search at ``max_positions - 1`` tokens (BOS + output
 fit the decoder's positions), so no line of any length runs decoding past the positions.
 """
+import os
+
 import numpy as np
 
 from .search import beam_search, greedy_search
@@ -39,24 +41,12 @@ def truncate_sources(src_ids, limit):
     return out, cut
 
 
-def translate_ids(model, src_ids, beam=4, alpha=0.6, max_len_a=50, max_tokens=4096,
-                  length_penalty="gnmt", on_truncate=None):
-    """Token-id lists (no EOS) -> output id lists, same order. Sorted by length into batches
-    of at most ``max_tokens`` padded source tokens; an empty input gives an empty output.
-
-    A source longer than ``max_source_tokens(model.cfg)`` is translated from its first that
-    many ids; ``on_truncate(index, n_tokens, n_kept)`` (0-based index into ``src_ids``) is
-    called for each such source, in input order, before any decoding. Outputs are at most
-    source length + 1 + ``max_len_a`` and at most ``max_positions - 1`` tokens long.
-    """
-    src_ids, cut = truncate_sources(src_ids, max_source_tokens(model.cfg))
-    if on_truncate is not None:
-        for i, n, kept in cut:
-            on_truncate(i, n, kept)
-    eos = model.cfg.eos_id
+def length_batches(src_ids, max_tokens):
+    """Indices of the non-empty id lists, sorted by length (EOS counted) and cut into batches
+    of at most ``max_tokens`` padded source tokens (a longer list is a batch of its own)
+    -> list of index lists, shortest sources first."""
     order = sorted((i for i, s in enumerate(src_ids) if s), key=lambda i: len(src_ids[i]))
-    out = [[] for _ in src_ids]
-    start = 0
+    batches, start = [], 0
     while start < len(order):
         end, longest = start, 0
         while end < len(order):
@@ -64,17 +54,129 @@ def translate_ids(model, src_ids, beam=4, alpha=0.6, max_len_a=50, max_tokens=40
             if end > start and longest_next * (end - start + 1) > max_tokens:
                 break
             longest, end = longest_next, end + 1
-        rows = order[start:end]
-        src = pad_batch([list(src_ids[i]) + [eos] for i in rows], model.cfg.pad_id)
-        if beam <= 1:
-            hyps = greedy_search(model, src, max_len_a=max_len_a)
-        else:
-            hyps = beam_search(model, src, beam=beam, alpha=alpha, max_len_a=max_len_a,
-                               length_penalty=length_penalty)
-        for i, h in zip(rows, hyps):
-            out[i] = h
+        batches.append(order[start:end])
         start = end
+    return batches
+
+
+def translate_ids(model, src_ids, beam=4, alpha=0.6, max_len_a=50, max_tokens=4096,
+                  length_penalty="gnmt", on_truncate=None, workers=1):
+    """Token-id lists (no EOS) -> output id lists, same order. Sorted by length into batches
+    of at most ``max_tokens`` padded source tokens; an empty input gives an empty output.
+
+    A source longer than ``max_source_tokens(model.cfg)`` is translated from its first that
+    many ids; ``on_truncate(index, n_tokens, n_kept)`` (0-based index into ``src_ids``) is
+    called for each such source, in input order, before any decoding. Outputs are at most
+    source length + 1 + ``max_len_a`` and at most ``max_positions - 1`` tokens long.
+
+    ``workers`` > 1 (CPU only) shares the sources out to that many forked processes
+    (``translate_in_workers``); the output is the same as with one.
+    """
+    src_ids, cut = truncate_sources(src_ids, max_source_tokens(model.cfg))
+    if on_truncate is not None:
+        for i, n, kept in cut:
+            on_truncate(i, n, kept)
+    search = dict(beam=beam, alpha=alpha, max_len_a=max_len_a, length_penalty=length_penalty)
+    if workers > 1 and model.device == "cpu" and sum(map(len, src_ids)) > max_tokens:
+        return translate_in_workers(model, src_ids, workers, max_tokens, search)
+    out = [[] for _ in src_ids]
+    for rows in length_batches(src_ids, max_tokens):
+        for i, h in zip(rows, search_batch(model, [list(src_ids[i]) for i in rows], **search)):
+            out[i] = h
     return out
+
+
+def search_batch(model, seqs, beam, alpha, max_len_a, length_penalty):
+    """One batch of id lists (no EOS) -> their outputs: greedy for beam <= 1."""
+    src = pad_batch([s + [model.cfg.eos_id] for s in seqs], model.cfg.pad_id)
+    if beam <= 1:
+        return greedy_search(model, src, max_len_a=max_len_a)
+    return beam_search(model, src, beam=beam, alpha=alpha, max_len_a=max_len_a,
+                       length_penalty=length_penalty)
+
+
+def cpu_count():
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on Linux)
+        return os.cpu_count() or 1
+
+
+class WorkerDied(RuntimeError):
+    """A translating worker process ended without its share (e.g. killed when memory ran
+    out)."""
+
+
+def translate_in_workers(model, src_ids, workers, max_tokens, search):
+    """translate_ids in ``workers`` forked copies of this process, each with
+    cpu_count() // workers BLAS threads (at least 1) -> the same outputs.
+
+    On a CPU with few cores NumPy runs everything but the matrix products on one core, and a
+    decoding step's products are small: two processes with one BLAS thread each keep both
+    cores busy through the whole step (on 2 cores, translation runs about 1.2x faster greedy
+    and 1.5x with beam 4). The sources, sorted by length, are dealt out in turn (worker w
+    gets the w-th, the (w + workers)-th, ...), so every worker gets as much work; each batches
+    its share as one process would. A sentence's output does not depend on its batch (a
+    product's rows are split between BLAS threads, never its sums, and padding adds exact
+    zeros), so the output is that of one process. The model is shared copy-on-write; only
+    token lists travel back. A worker's exception is raised here; a worker that dies raises
+    WorkerDied; on any error or Ctrl-C (which workers ignore) the others are terminated."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+    order = sorted((i for i, s in enumerate(src_ids) if s), key=lambda i: len(src_ids[i]))
+    shares = [order[w::workers] for w in range(workers)]
+    threads = max(1, cpu_count() // workers)
+    ctx = multiprocessing.get_context("fork")
+    procs, results = {}, {}
+    try:
+        for w, share in enumerate(shares):
+            receive, send = ctx.Pipe(duplex=False)
+            seqs = [list(src_ids[i]) for i in share]
+            proc = ctx.Process(target=_worker, daemon=True,
+                               args=(send, model, seqs, max_tokens, search, threads))
+            proc.start()
+            send.close()
+            procs[receive] = (w, proc)
+        while len(results) < len(shares):
+            for receive in wait(list(procs)):
+                w, proc = procs.pop(receive)
+                try:
+                    ok, value = receive.recv()
+                except EOFError:
+                    proc.join()
+                    raise WorkerDied(f"translation worker {w + 1} of {workers} ended without "
+                                     f"its output (exit code {proc.exitcode}); if memory ran "
+                                     "out, lower --max-tokens or --workers") from None
+                if not ok:
+                    raise value
+                results[w] = value
+    finally:
+        for _, proc in procs.values():
+            proc.terminate()
+        for _, proc in procs.values():
+            proc.join()
+    out = [[] for _ in src_ids]
+    for w, share in enumerate(shares):
+        for i, h in zip(share, results[w]):
+            out[i] = h
+    return out
+
+
+def _worker(send, model, seqs, max_tokens, search, threads):
+    """A worker process: translate ``seqs`` with ``threads`` BLAS threads and send back
+    (True, outputs), or (False, the exception)."""
+    import signal
+
+    import threadpoolctl
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threadpoolctl.threadpool_limits(threads, user_api="blas")
+    try:
+        result = (True, translate_ids(model, seqs, max_tokens=max_tokens, **search))
+    except BaseException as exc:  # (sent to the parent, which raises it)
+        result = (False, exc)
+    send.send(result)
+    send.close()
 
 
 def translate_lines(model, tokenizer, lines, on_truncate=None, **search_options):

@@ -20,9 +20,14 @@ from .. import backend
 class SelfCache:
     """The self-attention keys and values of one decoder layer, for ``rows`` rows and the
     ``length`` positions fed so far: views (rows, H, length, K) of buffers with room for
-    ``capacity`` positions. The buffers are allocated at the first step (capacity = the
-    search's maximum length, when it told us, else 64) and doubled if ever outgrown; rows
-    that leave are compacted in place, so no step copies the history it appends to."""
+    ``capacity`` positions. The buffers are allocated at the first step and doubled if ever
+    outgrown; rows that leave are compacted in place, so no step copies the history it
+    appends to. The first capacity is the search's maximum length (else 64), but at most
+    what keeps a buffer within BUFFER_BYTES: a larger block would come from fresh pages of
+    the kernel each batch (see _malloc.py), and writing into them costs more than the rare
+    doubling (most outputs are far shorter than their maximum length)."""
+
+    BUFFER_BYTES = 32 << 20
 
     def __init__(self, capacity=None):
         self.capacity, self.rows, self.length = capacity, 0, 0
@@ -33,7 +38,8 @@ class SelfCache:
         """Add the keys and values (R, H, T, K) of T new positions -> every position's."""
         R, H, T, K = k.shape
         if self.k_buf is None:
-            self.rows, cap = R, max(self.capacity or 64, T)
+            fit = self.BUFFER_BYTES // max(1, R * H * K * k.dtype.itemsize)
+            self.rows, cap = R, max(min(self.capacity or 64, fit), T, 1)
             xp = backend.get_array_module(k)
             self.k_buf, self.v_buf = (xp.empty((R, H, cap, K), k.dtype) for _ in range(2))
         elif self.length + T > self.k_buf.shape[2]:
@@ -96,6 +102,7 @@ class CrossCache:
 class DecoderState:
     def __init__(self, src_bias, n_layers, group=1, capacity=None):
         self.src_bias, self.group, self.offset = src_bias, group, 0
+        self.out_weight = None  # Transformer.output_weight(), set by start_decoding
         self.layers = self.new_layers(n_layers, group, capacity)
 
     @staticmethod

@@ -214,14 +214,29 @@ class Transformer(Module):
     def _in_compute_dtype(self, p):
         return p if p.dtype == self.compute_dtype else ops.cast(p, self.compute_dtype)
 
-    def logits(self, h: Tensor) -> Tensor:
+    def logits(self, h: Tensor, weight: Any = None) -> Tensor:
         """Pre-softmax projection (§3.4): h (B, T, D) -> (B, T, V), in the parameters' dtype
-        (under mixed precision the product runs in float16 and the scores are widened)."""
-        if self.cfg.share_embeddings:
+        (under mixed precision the product runs in float16 and the scores are widened).
+        ``weight``: the projection as one (D, V) array, ``output_weight()``, when the caller
+        has it (decoding, once per search)."""
+        if weight is not None:
+            z = ops.linear(h, Tensor.wrap(weight))
+        elif self.cfg.share_embeddings:
             z = ops.linear(h, ops.transpose(self._in_compute_dtype(self.embedding)))
         else:
             z = self.out_proj(h)
         return z if z.dtype == self.dtype else ops.cast(z, self.dtype)
+
+    def output_weight(self) -> Any:
+        """The pre-softmax projection as one C-contiguous (D, V) array in the compute dtype:
+        the shared embedding transposed, or out_proj's weight. Decoding multiplies each
+        step's few rows by it; stored (D, V), not read as the transpose of (V, D), the BLAS
+        runs that product up to 2.5x faster for a few rows (the same numbers)."""
+        w = self.embedding if self.cfg.share_embeddings else self.out_proj.weight
+        w = self._in_compute_dtype(w).data
+        if self.cfg.share_embeddings:
+            w = w.T
+        return backend.get_array_module(w).ascontiguousarray(w)
 
     def forward(self, src, tgt_in):
         memory, src_mask = self.encode(src)
@@ -263,6 +278,7 @@ class Transformer(Module):
             for layer, cache in zip(self.decoder, state.layers):
                 cache["cross"].fill(layer.cross_attn, memory)
                 cache["self"].qkv = layer.self_attn.fused_qkv(self.compute_dtype)
+            state.out_weight = self.output_weight()
         return state
 
     def next_scores(self, last: Any, state: DecoderState, log_probs: bool = False) -> Any:
@@ -274,7 +290,7 @@ class Transformer(Module):
             h = self.decode(last, None, state.src_bias, cache=state.layers,
                             offset=state.offset)
             state.offset += last.shape[1]
-            z = self.logits(h)
+            z = self.logits(h, state.out_weight)
             return (log_softmax(z) if log_probs else z).data[:, -1]
 
     def set_attention_store(self, store):

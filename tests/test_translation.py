@@ -1,0 +1,105 @@
+"""translate_ids with worker processes (mt/translation.py): the same outputs as one process,
+whatever the batching; a worker's error or death reaches the caller; translate.py --workers."""
+import os
+
+import numpy as np
+import pytest
+
+from minitransformer.mt import translate as translate_cli
+from minitransformer.mt import translation
+from minitransformer.mt.translation import WorkerDied, length_batches, translate_ids
+from minitransformer.nn.transformer import Transformer, TransformerConfig
+
+CFG = TransformerConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = Transformer(CFG, seed=5)
+    # make EOS likely, so that outputs end at different lengths (an untrained model
+    # otherwise runs every output to its limit)
+    m.embedding.data[CFG.eos_id] += 0.5 * m.embedding.data[4:].mean(axis=0)
+    m.eval()
+    return m
+
+
+def _sources(n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, CFG.vocab_size, rng.integers(1, 12)).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_workers_give_the_outputs_of_one_process(model, beam):
+    src = _sources() + [[]]  # (an empty source gives an empty output)
+    one = translate_ids(model, src, beam=beam, max_len_a=6, max_tokens=64)
+    assert len({len(h) for h in one}) > 2  # outputs of several lengths
+    for workers in (2, 3):
+        assert translate_ids(model, src, beam=beam, max_len_a=6, max_tokens=64,
+                             workers=workers) == one
+    # and neither depends on the batching
+    assert translate_ids(model, src, beam=beam, max_len_a=6, max_tokens=1000) == one
+
+
+def test_length_batches_cover_every_source_once_within_the_budget():
+    src = _sources(80, seed=1) + [[], [5] * 30]
+    batches = length_batches(src, 40)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == [i for i, s in enumerate(src) if s]
+    lengths = [len(src[i]) for i in flat]
+    assert lengths == sorted(lengths)
+    for b in batches:  # padded tokens (EOS counted) within the budget, unless alone
+        assert len(b) == 1 or len(b) * (max(len(src[i]) for i in b) + 1) <= 40
+
+
+def test_a_workers_exception_is_raised_in_the_caller(model, monkeypatch):
+    def fail(*args, **kwargs):
+        raise ValueError("no room for this batch")
+    monkeypatch.setattr(translation, "search_batch", fail)  # (the forked workers see it)
+    with pytest.raises(ValueError, match="no room for this batch"):
+        translate_ids(model, _sources(), beam=1, max_tokens=64, workers=2)
+
+
+def test_a_worker_that_dies_is_reported_not_waited_for(model, monkeypatch):
+    def die(*args, **kwargs):
+        os._exit(9)
+    monkeypatch.setattr(translation, "search_batch", die)
+    with pytest.raises(WorkerDied, match=r"exit code 9.*--max-tokens or --workers"):
+        translate_ids(model, _sources(), beam=1, max_tokens=64, workers=2)
+
+
+def test_one_batch_is_translated_in_this_process(model, monkeypatch):
+    def no_workers(*args, **kwargs):
+        raise AssertionError("started workers for one batch")
+    monkeypatch.setattr(translation, "translate_in_workers", no_workers)
+    src = _sources(3)
+    assert translate_ids(model, src, beam=1, max_tokens=4096, workers=4) == \
+        translate_ids(model, src, beam=1, max_tokens=4096)
+
+
+def test_translate_py_workers_flag(tmp_path, capsys):
+    from conftest import synthetic_tokenizer
+    from minitransformer.mt import checkpoint as ckpt
+    tok, corpus = synthetic_tokenizer(tmp_path, n_valid=40)
+    cfg = TransformerConfig(vocab_size=tok.vocab_size, d_model=16, n_heads=2, d_ff=32,
+                            n_layers=1, pad_id=tok.pad_id, bos_id=tok.bos_id,
+                            eos_id=tok.eos_id)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "spm.model").write_bytes(open(tok.model_path, "rb").read())
+    ckpt.save_checkpoint(str(run / "checkpoint_last.npz"), Transformer(cfg, seed=3), None,
+                         {"spm_sha256": ckpt.file_sha256(str(run / "spm.model"))})
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(corpus["valid"][0]) + "\n", encoding="utf-8")
+    outs = []
+    for workers in ("1", "2"):
+        code = translate_cli.main(["--run-dir", str(run), "--input", str(src), "--beam", "2",
+                                   "--max-len-a", "3", "--max-tokens", "50",
+                                   "--workers", workers])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        outs.append(out)
+    assert outs[0] == outs[1] and len(outs[0].splitlines()) == 40
+    with pytest.raises(SystemExit) as exc:
+        translate_cli.main(["--run-dir", str(run), "--workers", "-1"])
+    assert exc.value.code == 2 and "--workers: must be an integer >= 0" in \
+        capsys.readouterr().err
