@@ -151,3 +151,50 @@ def test_decoding_with_an_unshared_output_projection():
         assert state.out_weight.shape == (16, 30) and state.out_weight.flags.c_contiguous
         np.testing.assert_allclose(_feed(m, state, history), _uncached(m, src, history),
                                    rtol=1e-12, atol=1e-12)
+
+
+def test_compacted_moves_only_the_sentences_past_the_new_end():
+    from minitransformer.mt.search import compacted
+    rng = np.random.default_rng(9)
+    for _ in range(50):
+        keep = rng.random(int(rng.integers(1, 12))) < 0.6
+        order = compacted(keep)
+        assert sorted(order) == list(np.nonzero(keep)[0])  # each kept sentence once
+        n = len(order)
+        moved = order != np.arange(n)
+        assert (order[moved] >= n).all() and moved.sum() == (~keep[:n]).sum()
+
+
+def test_place_beams_keeps_histories_in_place_where_it_can():
+    from minitransformer.mt.search import _place_beams
+    rng = np.random.default_rng(10)
+    for g, k in [(1, 4), (4, 4), (3, 3), (2, 5)]:
+        for _ in range(30):
+            n = int(rng.integers(1, 5))
+            slot = np.stack([rng.permutation(k)[:g] for _ in range(n)])  # rows in use
+            prev = rng.integers(0, g, (n, k))  # the hypothesis each new one extends
+            new_slot, parent = _place_beams(slot, prev, k)
+            pp = np.take_along_axis(slot, prev, 1)
+            for i in range(n):
+                assert sorted(new_slot[i]) == list(range(k))  # one row each
+                # each row continues the history of the hypothesis placed in it
+                assert (parent[i, new_slot[i]] == pp[i]).all()
+                # rows copied: one per new hypothesis beyond the first of its parent
+                assert (parent[i] != np.arange(k)).sum() == k - len(set(pp[i]))
+
+
+def test_one_row_a_sentence_becomes_beams_and_sentences_change_places(model):
+    # beam search's first step: one row a sentence (group 1); then three rows a sentence,
+    # continuing that row, while sentence 2 moves into the place of sentence 0, which leaves
+    src = _src()
+    history = np.random.default_rng(11).integers(4, 30, (3, 3))
+    history[:, 0] = CFG.bos_id
+    state = model.start_decoding(src)
+    _feed(model, state, history)
+    state.keep_sentences(np.array([2, 1]), rows=np.array([2, 2, 2, 1, 1, 1]), group=3)
+    assert state.rows == 6 and state.layers[0]["cross"].group == 3
+    nxt = np.random.default_rng(12).integers(4, 30, (6, 1))
+    got = model.next_scores(nxt, state)
+    rows = np.array([2, 2, 2, 1, 1, 1])
+    want = _uncached(model, src[rows], np.concatenate([history[rows], nxt], 1))
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)

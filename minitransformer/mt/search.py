@@ -6,10 +6,13 @@ Each decoder layer writes this step's self-attention keys/values into buffers al
 the longest output (one product with [W_q W_k W_v] gives q, k and v); the encoder-decoder
 keys/values are computed once per sentence, and a sentence's beams attend to them as one
 block of queries; the source mask is built once per batch. Sentences that finish leave the
-batch (their rows are compacted in place), so the remaining ones run on smaller arrays. The
-search reads back only what it decides on: greedy, the argmax of each row; beam search, the
-2 * beam best tokens of each beam, normalised to log-probabilities only there
-(``log_softmax_at``).
+batch: the last ones move into their places (``compacted``), so the remaining ones run on
+smaller arrays and only the moved rows are copied. Beam search's first step runs one row a
+sentence (there is one hypothesis), the others ``beam``; a hypothesis stays in the row of
+the one it extends when it is the first to extend it (``_place_beams``), so few histories
+are copied. The search reads back only what it decides on: greedy, the argmax of each row;
+beam search, the 2 * beam best tokens of each beam, normalised to log-probabilities only
+there (``log_softmax_at``).
 
 Beam search keeps ``beam`` hypotheses per sentence, ranked by their summed log-probability;
 finished ones are ranked by the GNMT-normalised score  log P(Y|X) / lp(Y) with
@@ -105,8 +108,9 @@ def greedy_search(model: Transformer, src: Any, max_len_a: int = 50) -> list[lis
             out[alive[grows], t] = nxt[grows]
             n_out[alive[grows]] = t + 1
             t += 1
-            keep = np.nonzero(grows & (t < limit[alive]))[0]
-            if len(keep) < len(alive):
+            going = grows & (t < limit[alive])
+            if not going.all():
+                keep = compacted(going)
                 state.keep_sentences(keep)
                 alive, nxt = alive[keep], nxt[keep]
             last = xp.asarray(nxt[:, None]).astype(src.dtype)
@@ -128,30 +132,39 @@ def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
         B, k = src.shape[0], beam
         eos = model.cfg.eos_id
         limit = output_limits(model, src, max_len_a)
-        # beams of sentence b: rows b*k .. b*k+k-1, sharing its encoder-decoder keys/values
-        state = model.start_decoding(src, beams=k, max_length=int(limit.max()))
-        alive = np.arange(B)  # original sentence of each active block of k rows
-        tokens, scores = _first_beams(B, k)
+        # The first step runs one row per sentence (there is one hypothesis, BOS), the
+        # others k: the rows of sentence i are i*k .. i*k + k - 1, sharing its
+        # encoder-decoder keys/values, and its j-th best hypothesis is in row
+        # i*k + slot[i, j] (_place_beams: a row keeps its history when it can).
+        state = model.start_decoding(src, beams=1, max_length=int(limit.max()))
+        alive = np.arange(B)  # original sentence of each active block of rows
+        tokens, scores = np.zeros((B, 1, 0), dtype=np.int64), np.zeros((B, 1))
+        slot = np.zeros((B, 1), dtype=np.int64)
         finished, n_finished = [[] for _ in range(B)], np.zeros(B, dtype=np.int64)
-        last = xp.full((B * k, 1), model.cfg.bos_id, dtype=src.dtype)
+        last = xp.full((B, 1), model.cfg.bos_id, dtype=src.dtype)
         t = 0
         while len(alive):
-            logits = model.next_scores(last, state)  # (n*k, V), overwritten below
-            top_scores, prev, tok = _best_candidates(xp, logits, scores, k, model.cfg)
+            logits = model.next_scores(last, state)  # (rows, V), overwritten below
+            top_scores, prev, tok = _best_candidates(xp, logits, scores, slot, k, model.cfg)
             t += 1
             lp = _length_penalty(t - 1, alpha, length_penalty)
-            _finish_ending(finished, n_finished, alive, top_scores, prev, tok, tokens, eos, lp)
+            _finish_ending(finished, n_finished, alive, top_scores, prev, tok, tokens, eos, lp,
+                           k)
             prev, tokens, scores = _continuing(top_scores, prev, tok, tokens, eos, k)
             lp = _length_penalty(t, alpha, length_penalty)
             at_limit = t >= limit[alive]
             _finish_at_limit(finished, alive, at_limit, tokens, scores, lp)
-            kb = np.nonzero(~at_limit & np.isfinite(scores[:, 0]) & (n_finished[alive] < k))[0]
-            if not len(kb):
+            open_ = ~at_limit & np.isfinite(scores[:, 0]) & (n_finished[alive] < k)
+            if not open_.any():
                 break
-            # beam j of open sentence i continues beam prev[i, j] of that sentence
-            state.keep_sentences(kb, rows=(kb[:, None] * k + prev[kb]).reshape(-1))
+            kb = compacted(open_)
+            g = slot.shape[1]
+            slot, parent = _place_beams(slot[kb], prev[kb], k)
+            state.keep_sentences(kb, rows=(kb[:, None] * g + parent).reshape(-1), group=k)
             alive, tokens, scores = alive[kb], tokens[kb], scores[kb]
-            last = xp.asarray(tokens[:, :, -1].reshape(-1, 1)).astype(src.dtype)
+            fed = np.empty_like(slot)
+            np.put_along_axis(fed, slot, tokens[:, :, -1], 1)  # row i*k + slot[i, j]: beam j
+            last = xp.asarray(fed.reshape(-1, 1)).astype(src.dtype)
         return _best_first(finished, return_all)
 
 
@@ -167,39 +180,67 @@ def log_softmax_at(xp, z, cols):
     return picked
 
 
-def _first_beams(B, k):
-    """tokens (B, k, 0) and scores (B, k) at the start: only beam 0 of each sentence is live."""
-    tokens = np.zeros((B, k, 0), dtype=np.int64)
-    scores = np.full((B, k), -np.inf)
-    scores[:, 0] = 0.0
-    return tokens, scores
+def compacted(keep):
+    """The sentences to keep (bool (n,)) in their new order -> int array: each kept sentence
+    at or after the new end moves into the place of one that leaves before it, so only
+    those rows are copied (the others keep their place)."""
+    n = int(keep.sum())
+    order = np.arange(n)
+    holes = np.nonzero(~keep[:n])[0]
+    order[holes] = np.nonzero(keep[n:])[0] + n
+    return order
 
 
-def _best_candidates(xp, logits, scores, k, cfg):
-    """The 2k best candidates of each of the n sentences, best first -> (scores, beam they
-    extend, token), each (n, 2k) on the host; ``logits`` (n*k, V) (overwritten), ``scores``
-    (n, k). Candidates are ranked by log-probability (normalised over every token), and
-    padding and BOS are never candidates."""
-    n, V = scores.shape[0], logits.shape[-1]
+def _place_beams(slot, prev, k):
+    """Rows for the next step's hypotheses: ``slot`` (n, g) the row (within its sentence)
+    of each current hypothesis, ``prev`` (n, k) the hypothesis each new one extends ->
+    (slot (n, k) of the new ones, parent (n, k): the current row each row continues).
+    The first new hypothesis to extend a row stays in it; the others take the rows no one
+    extends, whose history is then copied (fewer rows copied than by keeping hypothesis j
+    in row j)."""
+    n = slot.shape[0]
+    pp = np.take_along_axis(slot, prev, 1)  # the row each new hypothesis extends
+    order = np.argsort(pp, axis=1, kind="stable")
+    ranked = np.take_along_axis(pp, order, 1)
+    first = np.empty((n, k), dtype=bool)
+    np.put_along_axis(first, order, np.concatenate(
+        [np.ones((n, 1), dtype=bool), ranked[:, 1:] != ranked[:, :-1]], axis=1), 1)
+    used = np.zeros((n, k), dtype=bool)
+    np.put_along_axis(used, pp, True, 1)
+    free = np.argsort(used, axis=1, kind="stable")  # unused rows first, in order
+    rank = np.maximum(np.cumsum(~first, axis=1) - 1, 0)
+    new_slot = np.where(first, pp, np.take_along_axis(free, rank, 1))
+    parent = np.empty_like(new_slot)
+    np.put_along_axis(parent, new_slot, pp, 1)
+    return new_slot, parent
+
+
+def _best_candidates(xp, logits, scores, slot, k, cfg):
+    """The 2k best candidates of each of the n sentences, best first -> (scores, hypothesis
+    they extend, token), each (n, 2k) on the host; ``logits`` (n*g, V) (overwritten),
+    ``scores`` (n, g) of the current hypotheses, hypothesis j of sentence i in row
+    i*g + slot[i, j]. Candidates are ranked by log-probability (normalised over every
+    token), and padding and BOS are never candidates."""
+    n, g, V = scores.shape[0], scores.shape[1], logits.shape[-1]
     # At most k of the 2k end in EOS (one per beam), so at least k continue. Each of them is
     # among the 2k best tokens of its own beam, so those are found first, on the device and
-    # in the model's precision, and only they are normalised; n*k*2k numbers come back.
+    # in the model's precision, and only they are normalised; n*g*2k numbers come back.
     m = min(2 * k, V)
     forbidden = logits[:, [cfg.pad_id, cfg.bos_id]]  # (a copy)
-    best = top_m(xp, _forbid(logits, cfg), m)  # (n*k, m), any order
+    best = top_m(xp, _forbid(logits, cfg), m)  # (n*g, m), any order
     logits[:, [cfg.pad_id, cfg.bos_id]] = forbidden  # they still count in the normaliser
     best_lp = to_numpy(log_softmax_at(xp, logits, best)).astype(np.float64)
-    best = to_numpy(best).reshape(n, k * m)
-    cand = (scores[:, :, None] + best_lp.reshape(n, k, m)).reshape(n, k * m)
+    rows = (np.arange(n)[:, None] * g + slot).reshape(-1)  # hypothesis order
+    best, best_lp = to_numpy(best)[rows].reshape(n, g * m), best_lp[rows]
+    cand = (scores[:, :, None] + best_lp.reshape(n, g, m)).reshape(n, g * m)
     order = np.argsort(-cand, axis=1, kind="stable")[:, :2 * k]
     top_scores = np.take_along_axis(cand, order, 1)
     return top_scores, order // m, np.take_along_axis(best, order, 1)
 
 
-def _finish_ending(finished, n_finished, alive, top_scores, prev, tok, tokens, eos, lp):
+def _finish_ending(finished, n_finished, alive, top_scores, prev, tok, tokens, eos, lp, k):
     """Add the candidates that end in EOS, among the k best of their sentence, to
     ``finished``, scored by their log-probability / ``lp``."""
-    k = tokens.shape[1]
     ends = (tok == eos) & np.isfinite(top_scores)
     for i, r in zip(*np.nonzero(ends[:, :k])):  # EOS counts only among the k best
         finished[alive[i]].append((top_scores[i, r] / lp, tokens[i, prev[i, r]].tolist()))

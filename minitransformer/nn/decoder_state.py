@@ -66,11 +66,25 @@ class SelfCache:
             setattr(self, name, new)
 
     def take(self, rows):
-        """Row i becomes old row ``rows[i]`` (host int array, len(rows) <= the rows there
-        are); only the rows that change are copied, within the same buffers."""
+        """Row i becomes old row ``rows[i]`` (host int array). Only the rows that change are
+        copied, within the same buffers, unless there are more rows than the buffers hold
+        (a beam search's first step runs one row per sentence): then into new ones."""
         if self.k_buf is None:
             return
         n = len(rows)
+        if n > self.k_buf.shape[0]:
+            xp = backend.get_array_module(self.k_buf)
+            R, H, cap, K = self.k_buf.shape
+            fit = self.BUFFER_BYTES // max(1, n * H * K * self.k_buf.dtype.itemsize)
+            cap = max(min(cap, fit), self.length, 1)
+            idx = xp.asarray(rows)
+            for name in ("k_buf", "v_buf"):
+                old = getattr(self, name)
+                new = xp.empty((n, H, cap, K), old.dtype)
+                new[:, :, :self.length] = old[idx, :, :self.length]
+                setattr(self, name, new)
+            self.rows = n
+            return
         moved = np.nonzero(rows != np.arange(n))[0]
         if len(moved):
             xp = backend.get_array_module(self.k_buf)
@@ -94,9 +108,17 @@ class CrossCache:
             self.k, self.v = (t.data for t in attention.memory_kv(memory))
 
     def take(self, sentences):
+        """Sentence i becomes old sentence ``sentences[i]`` (host int array): only the ones
+        that change place are copied, in place."""
         if self.k is not None:
-            idx = backend.get_array_module(self.k).asarray(sentences)
-            self.k, self.v = self.k[idx], self.v[idx]
+            n = len(sentences)
+            moved = np.nonzero(sentences != np.arange(n))[0]
+            if len(moved):
+                xp = backend.get_array_module(self.k)
+                src, dst = xp.asarray(sentences[moved]), xp.asarray(moved)
+                for a in (self.k, self.v):
+                    a[dst] = a[src]  # (the right side is a copy)
+            self.k, self.v = self.k[:n], self.v[:n]
 
 
 class DecoderState:
@@ -119,18 +141,24 @@ class DecoderState:
     def rows(self):
         return self.sentences * self.group
 
-    def keep_sentences(self, sentences, rows=None):
-        """Keep sentences ``sentences`` (host int array, increasing); the ones that finished
-        leave. Row r of the new state continues old row ``rows[r]`` (host int array, a row
-        of the same sentence; by default each kept sentence's own rows, in order). The
-        source mask and encoder-decoder keys/values follow the sentences, the
-        self-attention history the rows."""
+    def keep_sentences(self, sentences, rows=None, group=None):
+        """Keep sentences ``sentences`` (host int array, each once, in any order: sentence i
+        of the new state is old sentence ``sentences[i]``); the others leave. Row r of the
+        new state continues old row ``rows[r]`` (host int array, a row of the same sentence;
+        by default each kept sentence's own rows, in order). ``group``: the rows per
+        sentence from now on, when it changes (a beam search's first step runs one row per
+        sentence, then ``beam``). The source mask and encoder-decoder keys/values follow the
+        sentences, the self-attention history the rows."""
         sentences = np.asarray(sentences, dtype=np.int64)
         g = self.group
         if rows is None:
             rows = (sentences[:, None] * g + np.arange(g)).reshape(-1)
         rows = np.asarray(rows, dtype=np.int64)
-        if len(sentences) < self.sentences:
+        if group is not None and group != g:
+            self.group = group
+            for layer in self.layers:
+                layer["cross"].group = group
+        if len(sentences) < self.sentences or np.any(sentences != np.arange(len(sentences))):
             self.src_bias = self.src_bias[backend.get_array_module(self.src_bias).asarray(
                 sentences)]
             for layer in self.layers:
