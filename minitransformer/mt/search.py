@@ -17,7 +17,9 @@ there (``log_softmax_at``).
 Beam search keeps ``beam`` hypotheses per sentence, ranked by their summed log-probability;
 finished ones are ranked by the GNMT-normalised score  log P(Y|X) / lp(Y) with
     lp(Y) = ((5 + |Y|) / 6) ** alpha              (Wu et al. 2016; the paper's alpha = 0.6)
-or |Y| ** alpha with ``length_penalty="power"``. A hypothesis ending in EOS is kept only when
+or (|Y| + 1) ** alpha with ``length_penalty="power"`` (EOS counted in the length, as fairseq
+and CTranslate2 count it; |Y| ** alpha for a hypothesis cut at the maximum length, which
+has no EOS). A hypothesis ending in EOS is kept only when
 it ranks among the ``beam`` best candidates of its step (so beam 1 is exactly greedy); a
 sentence stops once it has ``beam`` finished hypotheses, or at the maximum length
 (source length + ``max_len_a``, 50 by default), where active hypotheses are finished as they are.
@@ -35,10 +37,14 @@ from ..engine.tensor import no_grad
 from ..nn.transformer import Transformer
 
 
-def _length_penalty(length, alpha, kind):
+def _length_penalty(length, alpha, kind, ends=False):
+    """lp(Y) of a hypothesis of ``length`` tokens (EOS not counted) that ``ends`` in EOS or
+    was cut at the maximum length: gnmt ((5 + |Y|) / 6) ** alpha, power (|Y| + 1) ** alpha
+    when it ends (EOS counted, as fairseq and CTranslate2 do), |Y| ** alpha when cut."""
     if kind == "gnmt":
         return ((5.0 + length) / 6.0) ** alpha
-    return float(length) ** alpha if length > 0 else 1.0
+    n = length + 1 if ends else length
+    return float(n) ** alpha if n > 0 else 1.0
 
 
 def _forbid(scores, cfg):
@@ -147,7 +153,7 @@ def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
             logits = model.next_scores(last, state)  # (rows, V), overwritten below
             top_scores, prev, tok = _best_candidates(xp, logits, scores, slot, k, model.cfg)
             t += 1
-            lp = _length_penalty(t - 1, alpha, length_penalty)
+            lp = _length_penalty(t - 1, alpha, length_penalty, ends=True)
             _finish_ending(finished, n_finished, alive, top_scores, prev, tok, tokens, eos, lp,
                            k)
             prev, tokens, scores = _continuing(top_scores, prev, tok, tokens, eos, k)

@@ -34,7 +34,8 @@ def add_search_flags(p):
     add_number(p, "--beam", int, ">= 1", default=4, help="beam size; 1 = greedy")
     add_number(p, "--alpha", float, ">= 0", default=0.6, help="GNMT length penalty exponent")
     p.add_argument("--length-penalty", default="gnmt", choices=["gnmt", "power"],
-                   help="gnmt: ((5 + length) / 6) ** alpha; power: length ** alpha "
+                   help="gnmt: ((5 + length) / 6) ** alpha; power: length ** alpha with "
+                        "EOS counted in the length, as fairseq and CTranslate2 count it "
                         "(default gnmt)")
     add_number(p, "--max-len-a", int, ">= 0", default=50,
                help="maximum output length = source length + this (never more than the "
