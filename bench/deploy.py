@@ -11,10 +11,17 @@ sentencepiece pieces, ``translate_batch`` with ``export.translate_options`` and 
 ``--max-tokens`` tokens, which CTranslate2 sorts by length itself; one maximum output length
 for the whole input, the longest source's), and reports sentences/s (median of the reps), cased
 sacreBLEU, and how many outputs are token-identical to ours. Tokenizing and detokenizing are
-outside the timed region on both sides; both use ``--threads`` threads (ours: OpenBLAS,
-CTranslate2: intra_threads, one translator). The beam rows use the power length penalty
-(our ``--length-penalty power``), the one CTranslate2 implements, with exponent ``--alpha``.
-Writes a Markdown table (``--results``) and the raw numbers beside it as JSON.
+outside the timed region on both sides. Both use ``--threads`` cores, each in the ways it
+offers: ours as translate.py does (``--workers`` processes, each with threads / workers
+OpenBLAS threads; 0 = one per core, translate.py's default), CTranslate2 both as one
+translator with ``--threads`` intra_threads ("1x2 threads" on 2 cores) and as ``--threads``
+translators with one thread each (inter_threads, "2x1"), which it splits a call's batches
+between. The beam rows use the power length penalty (our ``--length-penalty power``), the
+one CTranslate2 implements, with exponent ``--alpha``. Writes a Markdown table
+(``--results``) and the raw numbers beside it as JSON.
+
+To time an older checkout of minitransformer, copy this file into its bench/ and run it
+there with ``--no-ct2 --workers 1`` (it imports the package beside it).
 """
 import argparse
 import json
@@ -42,7 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--max-len-a", type=int, default=50)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--workers", type=int, default=0,
+                   help="ours: translating processes (default 0: one per core, as "
+                        "translate.py; 1 = one process with --threads BLAS threads)")
     p.add_argument("--no-ct2", dest="ct2", action="store_false",
                    help="ours only (e.g. to time an older checkout of the package)")
     p.add_argument("--label", default="", help="a name for this run in the results")
@@ -64,18 +74,21 @@ def timed(fn, reps):
 def ours(args, model, tok, lines, searches):
     from minitransformer.mt.translation import translate_ids
     ids = tok.encode([line.strip() for line in lines])
+    workers = args.workers or args.threads
+    extra = {} if workers == 1 else {"workers": workers}  # (older versions: one process)
     rows = {}
     for name, opts in searches.items():
         sec, times, hyps = timed(lambda o=opts: translate_ids(
-            model, ids, max_len_a=args.max_len_a, max_tokens=args.max_tokens, **o), args.reps)
+            model, ids, max_len_a=args.max_len_a, max_tokens=args.max_tokens, **o, **extra),
+            args.reps)
         rows[name] = dict(seconds=sec, times=times, ids=hyps, text=tok.decode(hyps))
     return rows
 
 
-def ct2(args, model_dir, tok, lines, searches):
+def ct2(args, model_dir, tok, lines, searches, inter, intra):
     import ctranslate2
-    tr = ctranslate2.Translator(model_dir, device="cpu", inter_threads=1,
-                                intra_threads=args.threads)
+    tr = ctranslate2.Translator(model_dir, device="cpu", inter_threads=inter,
+                                intra_threads=intra)
     pieces = [tok.sp.encode(line.strip(), out_type=str) for line in lines]
     rows = {}
     from minitransformer.export import translate_options
@@ -112,7 +125,10 @@ def main(argv=None):
                 out = export_ctranslate2(args.run_dir, os.path.join(tmp, q),
                                          average_last=args.average_last or None,
                                          quantization=None if q == "float32" else q)
-                results[f"CTranslate2 {q}"] = ct2(args, out, tok, lines, searches)
+                n = args.threads
+                for inter, intra in ((1, n), (n, 1)) if n > 1 else ((1, 1),):
+                    results[f"CTranslate2 {q}, {inter}x{intra} threads"] = ct2(
+                        args, out, tok, lines, searches, inter, intra)
     report(args, results, lines, refs, what, corpus_bleu)
 
 
@@ -139,7 +155,9 @@ def report(args, results, lines, refs, what, corpus_bleu):
     with open(stem + ".json", "w") as f:
         json.dump(raw, f, indent=1)
     with open(args.results if not args.label else stem + ".md", "w") as f:
-        f.write(f"{args.label or 'run'}: {what}; {args.threads} threads; "
+        workers = args.workers or args.threads
+        f.write(f"{args.label or 'run'}: {what}; {args.threads} cores (ours: {workers} "
+                f"process(es) x {max(1, args.threads // workers)} BLAS thread(s)); "
                 f"{platform.processor() or platform.machine()}\n\n{text}\n")
 
 
