@@ -112,7 +112,8 @@ def _optimiser_flags(g):
                help="multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
     g.add_argument("--lr-schedule", default="inverse-sqrt", choices=["inverse-sqrt", "linear"],
                    help="after the warm-up: the paper's inverse square root decay, or a straight "
-                        "line to 0 at --max-updates (for a fixed budget of updates)")
+                        "line to 0 at --max-updates (for a fixed budget of updates) or, with "
+                        "--max-time, at the number of updates the run plans to fit in it")
     add_number(g, "--warmup", int, ">= 1", default=None,
                help="warm-up updates (default 4000 as in the paper; 300 for the synthetic "
                     "corpus)")
@@ -145,7 +146,13 @@ def _budget_flags(g):
                help="0 = no limit (default; 600 for the synthetic corpus)")
     add_number(g, "--max-epochs", int, ">= 0", default=0, help="0 = no limit")
     add_number(g, "--max-time", float, ">= 0", default=0.0,
-               help="minutes of training; 0 = no limit")
+               help="minutes of training (the loop: updates, validations, checkpoints; not "
+                    "the set-up or the final test); 0 = no limit. With --lr-schedule linear "
+                    "the run plans to the deadline: it measures its seconds per update "
+                    "(after about 30 updates) and its validations, chooses the number of "
+                    "updates N that fits (at most --max-updates, if given), decays the rate "
+                    "to 0 at N, re-plans every 50 updates and after each validation, and "
+                    "stops after update N (mt/plan.py)")
     add_number(g, "--max-bad-updates", int, ">= 1", default=5,
                help="stop when this many updates in a row have a loss or gradient that is not "
                     "finite (each is skipped; the run ends with the first op that made a NaN "
@@ -268,11 +275,19 @@ def fill_defaults(args):
             setattr(args, name, value)
 
 
+def plans_to_deadline(args):
+    """True when the run plans its number of updates to --max-time (mt/plan.py): the linear
+    schedule and a time budget; --max-updates, if given, caps the plan."""
+    return args.lr_schedule == "linear" and args.max_time > 0
+
+
 def check_options(args):
     """Combinations of options that cannot work, each refused with what to do instead."""
-    if args.lr_schedule == "linear" and not args.max_updates > args.warmup:
+    if args.lr_schedule == "linear" and not args.max_updates > args.warmup and not (
+            plans_to_deadline(args) and not args.max_updates):
         raise SystemExit("error: --lr-schedule linear decays to 0 at --max-updates; "
-                         f"give --max-updates N with N > --warmup ({args.warmup})")
+                         f"give --max-updates N with N > --warmup ({args.warmup}), or "
+                         "--max-time M to plan the decay to end with the M minutes")
     if args.subword_alpha > 0 and args.spm_type != "unigram":
         raise SystemExit(f"error: --subword-alpha samples segmentations of a unigram model; "
                          f"this run's --spm-type is {args.spm_type}: add --spm-type unigram "

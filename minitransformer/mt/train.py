@@ -4,7 +4,8 @@
 model and Adam, then runs updates with the paper's learning-rate schedule, validating (loss
 and greedy BLEU), checkpointing and logging as it goes; ``main`` is the command line.
 A run lives in one directory (config.json, spm.model, checkpoints, metrics.jsonl) and can be
-resumed exactly from it.
+resumed exactly from it. With ``--max-time`` and the linear schedule the run plans its number
+of updates to the deadline (``plan``).
 """
 import dataclasses
 import json
@@ -27,7 +28,8 @@ from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
 from .log import Log, StopSignals
 from .options import (MODEL_FLAGS, PROFILE_WARMUP, check_options, fill_defaults, parse_args,
-                      restore_for_resume, run_options)
+                      plans_to_deadline, restore_for_resume, run_options)
+from .plan import DeadlinePlan
 from .rundir import RunDir, RunDirBusy
 from .step import train_step
 from .tokenizer import SubwordSampler, Tokenizer, train_sentencepiece
@@ -43,6 +45,8 @@ FLOAT16_DEVICES = ("cuda",)
 class Trainer:
     """One training run: set up from the flags (data, vocabulary, model, optimizer; or the
     state of the run being resumed), then ``run()`` the loop and ``test()`` the result."""
+
+    clock = staticmethod(time.perf_counter)  # the loop's clock (--max-time, the plan)
 
     def __init__(self, args, comm=None):
         self.args, self.comm = args, comm
@@ -117,6 +121,11 @@ class Trainer:
         self.train_time = 0.0
         self.guard = DivergenceGuard(a.max_bad_updates)  # float32 (float16: the scaler)
         self.saved_update = None  # the update of the newest checkpoint
+        self.plan = None
+        if plans_to_deadline(a):
+            self.plan = DeadlinePlan(a.max_time * 60, self.cfg.d_model, a.warmup, a.lr_factor,
+                                     a.valid_every if self.valid is not None else 0,
+                                     a.save_every, a.max_updates)
         if a.resume:
             self._load(self.rd.last)
             self.saved_update = self.update
@@ -233,6 +242,8 @@ class Trainer:
                 "spm_sha256": self.spm_sha, "train_time": self.train_time}
         if self.scaler is not None:
             meta["loss_scale"] = self.scaler.state_dict()
+        if self.plan is not None:
+            meta["plan"] = self.plan.state_dict()
         return meta
 
     def save(self, *paths):
@@ -260,10 +271,14 @@ class Trainer:
         self.model.rng.set_state(meta["rng"])
         if self.scaler is not None and "loss_scale" in meta:
             self.scaler.load_state_dict(meta["loss_scale"])
+        if self.plan is not None and "plan" in meta:  # (else: planned from here on)
+            self.plan.load_state_dict(meta["plan"])
 
     # ---- training ------------------------------------------------------------------------
     def lr_at(self, update):
         a = self.args
+        if self.plan is not None:
+            return self.plan.lr(update)
         if a.lr_schedule == "linear":
             return linear_decay_lr(update, self.cfg.d_model, a.warmup, a.max_updates, a.lr_factor)
         return noam_lr(update, self.cfg.d_model, a.warmup, a.lr_factor)
@@ -387,21 +402,22 @@ class Trainer:
                 self.save(self.rd.last)
         if stop.signum is None:
             log.info(f"training finished ({reason}) after {self.update} updates, "
-                     f"{self.train_time:.0f} s")
+                     f"{self.train_time:.0f} s ({self.clock() - self.start:.1f} s with the "
+                     "closing validation and checkpoint)")
         log.close()
         return stop.signum is None
 
     def _loop(self, log, stop):
         """Updates until a stopping rule (-> its description) or a signal (-> None)."""
-        start = time.perf_counter() - self.train_time
+        self.start = start = self.clock() - self.train_time  # the run's time, over resumes
         while True:
-            reason = self._stop_reason(time.perf_counter() - start, stop)
+            reason = self._stop_reason(self.clock() - start, stop, log)
             if reason is not None:
                 return reason
-            t0, before = time.perf_counter(), self.update
+            t0, before = self.clock(), self.update
             loss_sum, n_tok = self.train_update()
-            log.add_update(loss_sum, n_tok, time.perf_counter() - t0)  # update time only
-            self.train_time = time.perf_counter() - start
+            log.add_update(loss_sum, n_tok, self.clock() - t0)  # update time only
+            self.train_time = self.clock() - start
             if self.update == before and self.scaler is not None:  # an overflow: skipped
                 log.info(f"update {self.update + 1}: float16 gradients overflowed; update "
                          f"skipped, loss scale now {self.scaler.scale:g}")
@@ -414,15 +430,24 @@ class Trainer:
             if self.update != before:
                 self._after_update(log)
 
-    def _stop_reason(self, elapsed, stop):
+    def _stop_reason(self, elapsed, stop, log):
         """Why training stops before the next update, or None to go on. Under mpiexec all
-        ranks stop together: rank 0's clock decides, and a signal on any rank."""
+        ranks stop together: rank 0's clock decides, and a signal on any rank. The deadline
+        plan reads the same clock here, so every rank plans alike."""
         a = self.args
         if self.comm:
             elapsed, agreed = self.comm.agree_to_stop(elapsed, stop.signum)
             if agreed is not None:  # (a signal arriving meanwhile stays in stop)
                 stop.signum = agreed
                 return "signal"
+        if self.plan is not None:
+            planned = self.plan.observe(self.update, elapsed)
+            if planned is not None:
+                log.info(planned[0])
+                log.metrics(planned[1])
+            if self.plan.done(self.update):
+                return f"reached the {self.plan.total} updates planned for --max-time " \
+                       f"{a.max_time:g} min"
         if a.max_updates and self.update >= a.max_updates:
             return f"reached --max-updates {a.max_updates}"
         if a.max_epochs and self.batches.state_dict()["epoch"] >= a.max_epochs:
@@ -439,9 +464,15 @@ class Trainer:
                             self.train_time, self.scaler.scale if self.scaler else None)
         if self.valid is not None and self.update % a.valid_every == 0:
             self._validate_and_save(log)
+            done = "valid"
         elif a.save_every and self.update % a.save_every == 0:
             self.save(self.rd.periodic(self.update), self.rd.last)
             self.rd.prune(a.keep_last)
+            done = "save"
+        else:
+            return
+        if self.plan is not None:  # (after the save: a checkpoint holds the plan without it)
+            self.plan.note(done)
 
     def _validate_and_save(self, log):
         loss, bleu = self.validate() if self.main else (0.0, 0.0)

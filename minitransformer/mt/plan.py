@@ -1,0 +1,215 @@
+"""The deadline plan: with ``--max-time M`` and ``--lr-schedule linear`` a run chooses its own
+number of updates N, so that the linear decay reaches 0 as the M minutes end.
+
+Budgeted training (a rate that reaches zero exactly when the budget ends beats a schedule cut
+short) needs N, and N depends on the machine. The run measures it instead of asking:
+
+* **Time.** The budget B = 60 M seconds is the run's own training time, as ``--max-time``
+  counts it: the loop's wall clock (updates, logging, validations, checkpoints), summed over
+  resumes; setting up and the final test score are outside it. Under ``mpiexec`` every rank
+  sees rank 0's clock (``comm.agree_to_stop``, before each update), and the plan is a
+  function of those readings and of the update numbers alone, so all ranks plan alike.
+* **Measuring.** Each reading before an update closes an interval of one update and the
+  work after it. Plain intervals give the rate r (s/update): the mean of ``MEASURE`` of them
+  after the first ``SKIP`` updates (slow: memory, caches), then an exponential moving average
+  over about ``RATE_MEMORY`` updates. An interval that ended in a validation gives its cost
+  c_v = interval - r (loss, greedy BLEU and its checkpoints), one that ended in a periodic
+  checkpoint (``--save-every``) gives c_s; the newest of each counts (0 until measured).
+* **Planning.** At update u and time E, N is the largest number of updates with
+  E + (N - u) r + V(u, N) c_v + S(u, N) c_s + ``RESERVE`` r <= B, where V counts the
+  validations still due (every ``--valid-every`` updates, plus the one closing the run when
+  N is not a multiple) and S the checkpoints (periodic ones not at a validation, plus the
+  closing checkpoint_last when a validation did not just write it); ``--max-updates``, when
+  given, caps N (``plan_updates``).
+* **The schedule** is a list of linear pieces [u0, lr0, N]: from update u0 the rate falls in
+  a straight line from lr0 to 0 at update N, lr(u) = lr0 (N - u) / (N - u0) (``piece_lr``).
+  The first plan (after about 30 updates, inside the warm-up) keeps the paper's warm-up and
+  puts the piece at [warmup, peak, N]: exactly ``linear_decay_lr`` with --max-updates N.
+* **Re-planning** every ``CHECK_EVERY`` updates and after each validation: a new N from the
+  time left and the current r. If it differs by more than 1% of the updates left, the
+  schedule gets a new piece [u, lr(u), N'] starting from the rate of the last update, so the
+  rate stays continuous (before the warm-up ends only N changes). The run stops after update
+  N, whose rate is 0.
+* **Resume.** The pieces and the measurements are saved in every checkpoint (meta "plan"):
+  lr(u) is exact after a resume, and later plans continue from the run's own elapsed time.
+"""
+import math
+
+from ..optim import noam_lr
+
+SKIP = 5  # the first updates of a run are slow (memory, caches): not measured
+MEASURE = 25  # plain updates measured before the first plan
+CHECK_EVERY = 50  # updates between re-plans
+RATE_MEMORY = 100  # the rate: a moving average over about this many updates
+RESERVE = 3  # updates' time kept free at the end (the last updates vary in length)
+
+
+def due(update, total, valid_every=0, save_every=0):
+    """-> (validations, checkpoint saves) after ``update`` up to the end of a ``total``-update
+    run, as Trainer runs them: a validation (with its checkpoints) at each multiple of
+    ``valid_every`` (0: no validation set), a save at each other multiple of ``save_every``,
+    and at the end a validation unless the last update had one, else a save of
+    checkpoint_last."""
+    def multiples(k):
+        return total // k - update // k if k else 0
+    validations, saves = multiples(valid_every), multiples(save_every)
+    if valid_every and save_every:  # a validation writes the periodic checkpoint itself
+        saves -= multiples(math.lcm(valid_every, save_every))
+    if valid_every and total % valid_every:
+        validations += 1
+    else:
+        saves += 1
+    return validations, saves
+
+
+def remaining_seconds(update, total, rate, valid_s=0.0, save_s=0.0, valid_every=0,
+                      save_every=0):
+    """Seconds from after ``update`` to the end of a ``total``-update run:
+    (total - update) r + V c_v + S c_s (``due`` counts V and S)."""
+    validations, saves = due(update, total, valid_every, save_every)
+    return (total - update) * rate + validations * valid_s + saves * save_s
+
+
+def plan_updates(update, elapsed, budget, rate, valid_s=0.0, save_s=0.0, valid_every=0,
+                 save_every=0, cap=0):
+    """The largest N >= ``update`` (at most ``cap`` when it is not 0) whose remaining time
+    (``remaining_seconds``) and a reserve of ``RESERVE`` updates fit in ``budget - elapsed``
+    seconds; ``update`` itself when none does (the run stops now)."""
+    free = budget - elapsed - RESERVE * rate
+    rate = max(rate, 1e-9)
+    hi = update + max(int(free / rate), 0) + 1  # updates alone would not fit (costs >= 0)
+    if cap:
+        hi = min(hi, max(cap, update) + 1)
+
+    def fits(n):
+        return remaining_seconds(update, n, rate, valid_s, save_s, valid_every,
+                                 save_every) <= free
+    lo = update
+    if not fits(lo):
+        return update
+    while hi - lo > 1:  # fits(lo), and not fits(hi) or hi past the cap
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def piece_lr(step, pieces, d_model, warmup, factor=1.0):
+    """The planned schedule at ``step``: the last piece [u0, lr0, N] with u0 < step gives
+    lr0 max(N - step, 0) / (N - u0); before any piece, the paper's warm-up (noam_lr), then
+    its peak. One piece [warmup, peak, N] equals ``linear_decay_lr(step, ..., N)``."""
+    step = max(int(step), 1)
+    for start, lr, total in reversed(pieces):
+        if step > start:
+            return lr * max(total - step, 0) / max(total - start, 1)
+    return noam_lr(min(step, warmup), d_model, warmup, factor)
+
+
+class DeadlinePlan:
+    """The plan of one run: ``observe`` each reading of the run's clock before an update,
+    ``note`` the validation or checkpoint that followed an update, ``lr(step)``; the state
+    (pieces and measurements) goes into every checkpoint."""
+
+    def __init__(self, budget, d_model, warmup, factor=1.0, valid_every=0, save_every=0,
+                 cap=0):
+        self.budget, self.d_model, self.warmup, self.factor = budget, d_model, warmup, factor
+        self.valid_every, self.save_every, self.cap = valid_every, save_every, cap
+        peak = noam_lr(warmup, d_model, warmup, factor)
+        self.pieces = [[warmup, peak, cap]] if cap else []  # today's linear decay until a plan
+        self.total = cap or None  # N: the run stops after this update
+        self.rate = self.valid_s = self.save_s = None
+        self.measured = [0.0, 0]  # seconds and plain intervals before the first plan
+        self.last = None  # [update, elapsed] at the previous reading
+        self.after = None  # "valid" or "save": what followed the update since that reading
+        self.next_check = None
+
+    def lr(self, step):
+        return piece_lr(step, self.pieces, self.d_model, self.warmup, self.factor)
+
+    def done(self, update):
+        return self.rate is not None and update >= self.total
+
+    def note(self, kind):
+        self.after = kind
+
+    def state_dict(self):
+        keys = ("pieces", "total", "rate", "valid_s", "save_s", "measured", "last", "after",
+                "next_check")
+        return {k: getattr(self, k) for k in keys}
+
+    def load_state_dict(self, state):
+        for k, v in state.items():
+            setattr(self, k, v)
+
+    def observe(self, update, elapsed):
+        """The run's clock reads ``elapsed`` s before update ``update + 1``: measure the
+        interval since the previous reading; plan or re-plan when due. -> (log line, metrics
+        record) when a plan was made, else None."""
+        last, after = self.last, self.after
+        self.last, self.after = [update, elapsed], None
+        if last is None or self.done(update):
+            return None
+        self._measure(update, elapsed - last[1], after)
+        if self.rate is None:
+            return None
+        if self.next_check is None or update >= self.next_check or after == "valid":
+            return self._plan(update, elapsed)
+        return None
+
+    def _measure(self, update, seconds, after):
+        base = self.rate if self.rate is not None else (
+            self.measured[0] / self.measured[1] if self.measured[1] else 0.0)
+        if after == "valid":
+            self.valid_s = max(seconds - base, 0.0)
+        elif after == "save":
+            self.save_s = max(seconds - base, 0.0)
+        elif update <= SKIP:
+            return
+        elif self.rate is None:
+            self.measured = [self.measured[0] + seconds, self.measured[1] + 1]
+            if self.measured[1] >= MEASURE:
+                self.rate = self.measured[0] / self.measured[1]
+        else:
+            self.rate += (seconds - self.rate) / RATE_MEMORY
+
+    def _plan(self, update, elapsed):
+        first, old = self.next_check is None, self.total
+        self.next_check = update + CHECK_EVERY
+        n = plan_updates(update, elapsed, self.budget, self.rate, self.valid_s or 0.0,
+                         self.save_s or 0.0, self.valid_every, self.save_every, self.cap)
+        if not first and abs(n - old) <= (old - update) // 100:
+            return None  # within 1% of the updates left: keep the schedule as it is
+        if n != old:
+            self._new_piece(update, n)
+        self.total = n
+        return self._describe(first, update, elapsed, old)
+
+    def _new_piece(self, update, n):
+        """The schedule from update + 1 on falls to 0 at ``n``: the warm-up and its peak kept
+        while they lie ahead and fit, else a straight line from the last update's rate."""
+        self.pieces = [p for p in self.pieces if p[0] < update]  # (those ahead: replaced)
+        if not self.pieces and update < self.warmup < n:
+            self.pieces.append([self.warmup, noam_lr(self.warmup, self.d_model, self.warmup,
+                                                      self.factor), n])
+        else:
+            self.pieces.append([update, self.lr(update), n])
+
+    def _describe(self, first, update, elapsed, old):
+        validations, _ = due(update, self.total, self.valid_every, self.save_every)
+        valid = (f"{validations} validations at {self.valid_s:.3g} s"
+                 if self.valid_s is not None else
+                 f"{validations} validations, not timed yet" if self.valid_every
+                 else "no validation set")
+        minutes = self.budget / 60
+        if first:
+            text = (f"plan: {self.total} updates in {minutes:g} min ({self.rate:.3g} s/update "
+                    f"measured, {valid})")
+        else:
+            text = (f"re-plan at update {update}: {old} -> {self.total} updates "
+                    f"({self.rate:.3g} s/update, {valid} to go; "
+                    f"{(self.budget - elapsed) / 60:.2f} of {minutes:g} min left)")
+        if self.cap and self.total == self.cap:
+            text += f"; capped by --max-updates {self.cap}"
+        record = {"update": update + 1, "plan_updates": self.total, "rate_s": self.rate,
+                  "valid_s": self.valid_s, "save_s": self.save_s, "validations": validations,
+                  "elapsed_s": elapsed, "budget_s": self.budget}
+        return text, record

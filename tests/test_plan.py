@@ -1,0 +1,299 @@
+"""The deadline plan (mt/plan.py): --max-time with the linear schedule plans the number of
+updates so that the rate reaches 0 as the budget ends; re-plans keep the rate continuous; a
+resumed run continues the same plan. Runs use an injected clock (Trainer.clock) that moves
+only when the loop works, so they are exact and fast."""
+import json
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from minitransformer.mt import checkpoint as ckpt
+from minitransformer.mt import plan
+from minitransformer.mt import train as train_cli
+from minitransformer.optim import linear_decay_lr, noam_lr
+
+from test_distributed import MPIEXEC, needs_mpi, run_mpi
+
+TINY = ["--synthetic-pairs", "1500", "--d-model", "32", "--n-heads", "2", "--d-ff", "64",
+        "--max-tokens", "600", "--vocab-size", "120", "--no-progress", "--warmup", "50",
+        "--valid-bleu-sentences", "20", "--test-split", "", "--lr-schedule", "linear",
+        "--max-updates", "0", "--valid-every", "20"]
+SMALL = TINY + ["--log-every", "1"]
+
+
+# ---------------------------------------------------------------------------- pure functions
+
+def naive_due(update, total, valid_every, save_every):
+    """What Trainer does after each update u in (update, total], and at the end of the run."""
+    validations = saves = 0
+    for u in range(update + 1, total + 1):
+        if valid_every and u % valid_every == 0:
+            validations += 1
+        elif save_every and u % save_every == 0:
+            saves += 1
+    if valid_every and total % valid_every != 0:
+        validations += 1
+    else:
+        saves += 1
+    return validations, saves
+
+
+@pytest.mark.parametrize("valid_every,save_every", [(0, 0), (20, 0), (20, 8), (0, 7), (10, 25)])
+def test_due_counts_the_validations_and_checkpoints_the_trainer_runs(valid_every, save_every):
+    for update in (0, 3, 40, 41):
+        for total in range(update, update + 130):
+            got = plan.due(update, total, valid_every, save_every)
+            assert got == naive_due(update, total, valid_every, save_every), (update, total)
+
+
+def test_plan_is_the_largest_number_of_updates_within_the_budget():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        update = int(rng.integers(0, 400))
+        budget, rate = float(rng.uniform(60, 3600)), float(rng.uniform(0.05, 2.0))
+        elapsed = float(rng.uniform(0, budget))
+        valid_s = float(rng.uniform(0, 30))
+        save_s = float(rng.uniform(0, min(valid_s, 2)))
+        ve, se = int(rng.choice([0, 50, 200])), int(rng.choice([0, 40]))
+        cap = int(rng.choice([0, update + 100]))
+        n = plan.plan_updates(update, elapsed, budget, rate, valid_s, save_s, ve, se, cap)
+        end = {t: elapsed + plan.remaining_seconds(update, t, rate, valid_s, save_s, ve, se)
+               + plan.RESERVE * rate for t in range(n, n + 400)}
+        assert n >= update and (not cap or n <= cap)
+        if n > update:
+            assert end[n] <= budget, (n, end[n], budget)  # never beyond the budget
+        # the largest: a brute-force scan finds no larger N that fits
+        larger = [t for t in range(n + 1, n + 400) if end[t] <= budget]
+        assert not larger or (cap and n == cap), (n, larger[:3])
+
+
+def test_plan_counts_validations_and_stops_now_when_nothing_fits():
+    # 0.5 s an update, 100 s, a reserve of 3 updates (1.5 s): 197 updates without validations
+    assert plan.plan_updates(0, 0.0, 100.0, 0.5) == 197
+    # validations every 20 at 10 s each: 97 updates take 48.5 s, 4 validations (20..80) and
+    # the closing one 50 s, + 1.5 s reserve = 100 s; 98 take 100.5 s; 100 (5 validations,
+    # the last at 100, then a 0 s checkpoint) 101.5 s
+    assert plan.plan_updates(0, 0.0, 100.0, 0.5, valid_s=10.0, valid_every=20) == 97
+    assert plan.plan_updates(0, 0.0, 101.5, 0.5, valid_s=10.0, valid_every=20) == 100
+    assert plan.plan_updates(0, 0.0, 100.0, 0.5, cap=150) == 150
+    assert plan.plan_updates(50, 99.0, 100.0, 0.5) == 50  # no time left: stop after update 50
+
+
+def test_one_piece_from_the_warmup_is_the_linear_schedule():
+    d, warmup, total, factor = 64, 10, 57, 0.7
+    pieces = [[warmup, noam_lr(warmup, d, warmup, factor), total]]
+    for step in range(0, total + 5):
+        assert plan.piece_lr(step, pieces, d, warmup, factor) == \
+            linear_decay_lr(step, d, warmup, total, factor), step
+
+
+def feed(p, first, last, rate, elapsed, valid_every=0, valid_s=0.0):
+    """Readings of a run whose updates take ``rate`` s (and each validation ``valid_s``)."""
+    out = []
+    for u in range(first, last + 1):
+        event = p.observe(u, elapsed)
+        out.extend([event] if event else [])
+        elapsed += rate
+        if valid_every and (u + 1) % valid_every == 0:
+            p.note("valid")
+            elapsed += valid_s
+    return elapsed, out
+
+
+def test_first_plan_after_the_measured_updates_keeps_the_warmup():
+    p = plan.DeadlinePlan(budget=300.0, d_model=64, warmup=100)
+    elapsed, events = feed(p, 0, plan.SKIP - 1, 5.0, 0.0)  # the first updates are slow
+    elapsed, more = feed(p, plan.SKIP, plan.SKIP + plan.MEASURE - 1, 1.0, elapsed)
+    assert p.rate is None and not events + more  # still measuring
+    elapsed, events = feed(p, plan.SKIP + plan.MEASURE, plan.SKIP + plan.MEASURE, 1.0, elapsed)
+    assert p.rate == 1.0 and len(events) == 1  # the first SKIP updates were not measured
+    text, record = events[0]
+    assert text.startswith(f"plan: {p.total} updates in 5 min (1 s/update measured")
+    assert record["plan_updates"] == p.total
+    u = plan.SKIP + plan.MEASURE
+    assert p.total == plan.plan_updates(u, elapsed - 1.0, 300.0, 1.0)
+    peak = noam_lr(100, 64, 100)
+    assert p.pieces == [[100, peak, p.total]]
+    assert p.lr(100) == peak and p.lr(p.total) == 0.0 and p.lr(p.total - 1) > 0
+
+
+def test_replan_keeps_the_rate_continuous_and_reaches_zero_at_the_new_end():
+    p = plan.DeadlinePlan(budget=600.0, d_model=64, warmup=20, valid_every=50)
+    elapsed, _ = feed(p, 0, 120, 1.0, 0.0, valid_every=50, valid_s=5.0)
+    first_total, n_pieces = p.total, len(p.pieces)
+    before = [p.lr(s) for s in range(1, 300)]
+    elapsed, events = feed(p, 121, 200, 1.6, elapsed, valid_every=50, valid_s=5.0)
+    replans = [e for e in events if e[0].startswith("re-plan")]
+    assert replans and p.total < first_total  # slower updates: fewer of them
+    assert len(p.pieces) == n_pieces + len(replans)
+    start = p.pieces[n_pieces][0]
+    assert [p.lr(s) for s in range(1, start + 1)] == before[:start]  # the past is unchanged
+    for i in range(1, len(p.pieces)):  # each piece starts from the rate of its last update
+        start, lr0, total = p.pieces[i]
+        assert lr0 == plan.piece_lr(start, p.pieces[:i], 64, 20) == p.lr(start)
+    start, lr0, total = p.pieces[-1]
+    assert total == p.total
+    lrs = [p.lr(s) for s in range(start, p.total + 1)]
+    steps = np.diff(lrs)  # one straight line down to 0: equal steps, no jump at the re-plan
+    assert np.allclose(steps, -lr0 / (total - start), rtol=1e-9, atol=0)
+    assert lrs[-1] == 0.0 and p.lr(p.total + 3) == 0.0
+
+
+def test_small_changes_are_ignored_and_the_plan_survives_json():
+    p = plan.DeadlinePlan(budget=600.0, d_model=64, warmup=20)
+    elapsed, _ = feed(p, 0, 100, 1.0, 0.0)
+    pieces = [list(x) for x in p.pieces]
+    elapsed, events = feed(p, 101, 160, 1.001, elapsed)  # 0.1% slower: within 1% of the rest
+    assert not events and p.pieces == pieces
+    copy = plan.DeadlinePlan(budget=600.0, d_model=64, warmup=20)
+    copy.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    feed(p, 161, 300, 1.5, elapsed)
+    feed(copy, 161, 300, 1.5, elapsed)
+    assert copy.state_dict() == p.state_dict()
+
+
+def test_a_budget_shorter_than_the_warmup_decays_from_where_the_rate_is():
+    p = plan.DeadlinePlan(budget=50.0, d_model=64, warmup=400)
+    feed(p, 0, 40, 0.5, 0.0)
+    start, lr0, total = p.pieces[0]
+    assert total < 400 and start == plan.SKIP + plan.MEASURE
+    assert lr0 == noam_lr(start, 64, 400) and p.lr(total) == 0.0
+
+
+# --------------------------------------------------------------------- runs on a fake clock
+
+class FakeClock:
+    """Time moves only when the loop works: each update ``update_s`` (``slow_s`` from update
+    ``slow_from`` on), each validation ``VALID_S``, each checkpoint save ``SAVE_S``; all
+    multiples of 1/4, so the sums are exact."""
+    VALID_S, SAVE_S = 4.0, 0.25
+
+    def __init__(self, slow_from=70, update_s=0.5, slow_s=0.75, stop_at=None):
+        self.t, self.slow_from, self.update_s, self.slow_s = 1000.0, slow_from, update_s, slow_s
+        self.stop_at = stop_at
+
+    def __call__(self):
+        return self.t
+
+    def install(self, monkeypatch):
+        trainer = train_cli.Trainer
+        train_update, validate, save = trainer.train_update, trainer.validate, trainer.save
+
+        def timed_update(tr):
+            out = train_update(tr)
+            self.t += self.slow_s if tr.update >= self.slow_from else self.update_s
+            if tr.update == self.stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would stop the run
+            return out
+
+        def timed_validate(tr):
+            self.t += self.VALID_S
+            return validate(tr)
+
+        def timed_save(tr, *paths):
+            self.t += self.SAVE_S
+            return save(tr, *paths)
+        monkeypatch.setattr(trainer, "clock", staticmethod(self))
+        monkeypatch.setattr(trainer, "train_update", timed_update)
+        monkeypatch.setattr(trainer, "validate", timed_validate)
+        monkeypatch.setattr(trainer, "save", timed_save)
+
+
+def records(run):
+    return [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+
+
+def train(run, clock, monkeypatch, *extra):
+    clock.install(monkeypatch)
+    return train_cli.main(SMALL + ["--run-dir", run, "--max-time", "1.5", *extra])
+
+
+def test_a_run_ends_annealed_at_the_planned_update_within_the_budget(tmp_path, capsys,
+                                                                   monkeypatch):
+    run, clock = str(tmp_path / "run"), FakeClock()
+    assert train(run, clock, monkeypatch) == 0
+    recs = records(run)
+    plans = [r for r in recs if "plan_updates" in r]
+    lrs = {r["update"]: r["lr"] for r in recs if "lr" in r}
+    final = max(lrs)
+    # planned after 25 plain updates past the first 5 (update 20's interval held a
+    # validation), before update 32
+    assert plans[0]["update"] == 32 and plans[0]["rate_s"] == 0.5
+    assert plans[-1]["plan_updates"] == final < plans[0]["plan_updates"]  # re-planned: slower
+    assert lrs[final] == 0.0 and all(v > 0 for u, v in lrs.items() if u < final)
+    after_peak = [lrs[u] for u in sorted(lrs) if u >= 50]
+    assert lrs[50] == max(lrs.values())
+    assert all(b < a for a, b in zip(after_peak, after_peak[1:]))  # no jump at a re-plan
+    assert 1080.0 <= clock.t <= 1090.0  # 90 s used, within the reserve and a validation
+    meta = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]
+    assert meta["update"] == final and meta["plan"]["total"] == final
+    out = capsys.readouterr().out
+    assert "plan: " in out and "re-plan at update" in out
+    assert f"reached the {final} updates planned for --max-time 1.5 min" in out
+
+
+def test_a_stopped_and_resumed_run_follows_the_uninterrupted_plan_exactly(tmp_path):
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(straight, FakeClock(), mp) == 0
+    stop_at = 45  # after the first plan, before the slowdown's re-plans; not a validation
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(split, FakeClock(stop_at=stop_at), mp) == 128 + signal.SIGTERM
+    assert ckpt.load_checkpoint(os.path.join(split, "checkpoint_last.npz"))[2]["update"] == \
+        stop_at
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(split, FakeClock(), mp, "--resume") == 0
+    a = ckpt.load_checkpoint(os.path.join(straight, "checkpoint_last.npz"))
+    b = ckpt.load_checkpoint(os.path.join(split, "checkpoint_last.npz"))
+    assert a[2]["plan"] == b[2]["plan"] and a[2]["update"] == b[2]["update"]
+    assert len(a[2]["plan"]["pieces"]) >= 2  # it re-planned after the resume
+    for k in a[0]:
+        assert np.array_equal(a[0][k], b[0][k]), k  # bit for bit
+    lr_a = {r["update"]: r["lr"] for r in records(straight) if "lr" in r}
+    lr_b = {r["update"]: r["lr"] for r in records(split) if "lr" in r}
+    assert set(lr_b) == set(lr_a) - {stop_at}  # (the stopped update logs no line)
+    assert all(lr_b[u] == lr_a[u] for u in lr_b)
+    assert [r for r in records(split) if "plan_updates" in r] == \
+        [r for r in records(straight) if "plan_updates" in r]
+
+
+def test_max_updates_caps_the_plan(tmp_path):
+    run = str(tmp_path / "run")
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(run, FakeClock(slow_from=10 ** 9), mp, "--max-updates", "80") == 0
+    lrs = {r["update"]: r["lr"] for r in records(run) if "lr" in r}
+    assert max(lrs) == 80 and lrs[80] == 0.0
+    for u, lr in lrs.items():  # the linear schedule to --max-updates, unchanged
+        assert lr == linear_decay_lr(u, 32, 50, 80), u
+
+
+def test_linear_with_max_time_needs_no_max_updates(tmp_path):
+    from minitransformer.mt import options
+    args = options.parse_args(["--lr-schedule", "linear", "--max-time", "5", "--data", "d"])
+    options.fill_defaults(args)
+    options.check_options(args)  # accepted: the plan sets N
+    assert options.plans_to_deadline(args)
+    args = options.parse_args(["--lr-schedule", "linear", "--data", "d"])
+    options.fill_defaults(args)
+    with pytest.raises(SystemExit, match="--max-time M to plan"):
+        options.check_options(args)
+    assert "plans to the deadline" in " ".join(options.build_parser().format_help().split())
+
+
+@needs_mpi
+def test_two_ranks_follow_one_plan_on_rank_0s_clock(tmp_path):
+    """Real clocks: the ranks plan from rank 0's readings, so they stop after the same
+    update (a rank that planned otherwise would hang in an all-reduce or fail)."""
+    assert MPIEXEC
+    run = str(tmp_path / "run")
+    flags = TINY + ["--log-every", "10", "--max-time", "0.1"]
+    out = run_mpi(2, *flags, "--run-dir", run, timeout=120)
+    recs = records(run)
+    plans = [r for r in recs if "plan_updates" in r]
+    final = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]
+    assert plans and final["update"] == plans[-1]["plan_updates"] == final["plan"]["total"]
+    assert f"reached the {final['update']} updates planned" in out
+    assert math.isclose(plan.piece_lr(final["update"], final["plan"]["pieces"], 32, 50), 0.0)
