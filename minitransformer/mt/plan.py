@@ -195,17 +195,16 @@ class DeadlinePlan:
 
     def _describe(self, first, update, elapsed, old):
         validations, _ = due(update, self.total, self.valid_every, self.save_every)
-        valid = (f"{validations} validations at {self.valid_s:.3g} s"
-                 if self.valid_s is not None else
-                 f"{validations} validations, not timed yet" if self.valid_every
-                 else "no validation set")
+        valid = f"{validations} validations{'' if first else ' to go'}"
+        valid = (f"{valid} at {self.valid_s:.3g} s" if self.valid_s is not None else
+                 f"{valid}, not timed yet" if self.valid_every else "no validation set")
         minutes = self.budget / 60
         if first:
             text = (f"plan: {self.total} updates in {minutes:g} min ({self.rate:.3g} s/update "
                     f"measured, {valid})")
         else:
             text = (f"re-plan at update {update}: {old} -> {self.total} updates "
-                    f"({self.rate:.3g} s/update, {valid} to go; "
+                    f"({self.rate:.3g} s/update, {valid}; "
                     f"{(self.budget - elapsed) / 60:.2f} of {minutes:g} min left)")
         if self.cap and self.total == self.cap:
             text += f"; capped by --max-updates {self.cap}"
