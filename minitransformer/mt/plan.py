@@ -23,7 +23,7 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
   given, caps N (``plan_updates``).
 * **The schedule** is a list of linear pieces [u0, lr0, N]: from update u0 the rate falls in
   a straight line from lr0 to 0 at update N, lr(u) = lr0 (N - u) / (N - u0) (``piece_lr``).
-  The first plan (after about 30 updates, inside the warm-up) keeps the paper's warm-up and
+  The first plan (after about 30 updates) keeps the paper's warm-up, when it lies ahead, and
   puts the piece at [warmup, peak, N]: exactly ``linear_decay_lr`` with --max-updates N.
 * **Re-planning** every ``CHECK_EVERY`` updates and after each validation: a new N from the
   time left and the current r. If it differs by more than 1% of the updates left, the
