@@ -84,3 +84,79 @@ def test_a_measured_step_leaves_the_model_as_it_was():
     assert 0 < small < large
     assert model.rng.get_state() == state
     assert all(not np.any(g) for g in optim.gradients() if g is not None)
+
+
+# ---- train.py --max-tokens auto / --memory, and the out-of-memory message ------------------
+SMALL = ["--synthetic-pairs", "800", "--d-model", "32", "--n-heads", "2", "--d-ff", "64",
+         "--vocab-size", "120", "--no-progress", "--log-every", "5", "--warmup", "10",
+         "--valid-bleu-sentences", "10", "--test-split", "", "--max-updates", "12",
+         "--valid-every", "6"]
+
+
+def _train(*args):
+    from minitransformer.mt import train as train_cli
+    return train_cli.main(SMALL + list(args))
+
+
+def _params(path):
+    from minitransformer.mt import checkpoint as ckpt
+    return ckpt.load_checkpoint(path)[0]
+
+
+def test_auto_trains_as_the_budget_it_chose(tmp_path, capsys):
+    import json
+    import re
+    auto = tmp_path / "auto"
+    assert _train("--run-dir", str(auto), "--max-tokens", "auto", "--memory", "400M") == 0
+    err = "".join(capsys.readouterr())
+    chosen = int(re.search(r"--max-tokens auto: (\d+) \(memory budget 400 MiB", err).group(1))
+    saved = json.loads((auto / "config.json").read_text())["train"]
+    assert saved["max_tokens"] == chosen and saved["memory"] == "400M"
+    # the measuring steps left nothing behind: the same run with that number given
+    given = tmp_path / "given"
+    assert _train("--run-dir", str(given), "--max-tokens", str(chosen)) == 0
+    a, b = (_params(str(d / "checkpoint_last.npz")) for d in (auto, given))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    # a resumed run keeps its number; auto is refused there
+    assert _train("--run-dir", str(auto), "--resume", "--max-updates", "14") == 0
+    with pytest.raises(SystemExit, match="--max-tokens auto chooses the batch size"):
+        _train("--run-dir", str(auto), "--resume", "--max-tokens", "auto")
+
+
+def test_a_memory_budget_too_small_is_refused_clearly(tmp_path, capsys):
+    code = _train("--run-dir", str(tmp_path / "r"), "--max-tokens", "auto", "--memory", "1M")
+    assert code == 2
+    assert "raise --memory" in "".join(capsys.readouterr())
+
+
+def test_bad_values_name_the_flag(tmp_path, capsys):
+    for flag, value, says in (("--max-tokens", "lots", "'auto'"),
+                              ("--memory", "8 parsecs", "8G, 800M")):
+        with pytest.raises(SystemExit):
+            _train("--run-dir", str(tmp_path / "r"), flag, value)
+        err = capsys.readouterr().err
+        assert flag in err and says in err
+
+
+def test_out_of_memory_names_the_batch_and_what_to_pass(tmp_path, capsys, monkeypatch):
+    from minitransformer.mt import train as train_cli
+    run = tmp_path / "r"
+    real, calls = train_cli.train_step, []
+
+    def step(*args, **kwargs):  # the 8th update runs out of memory
+        calls.append(1)
+        if len(calls) == 8:
+            batches = list(args[2])  # (the batch is collated, as in a real step)
+            raise MemoryError(f"{len(batches)} batches")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(train_cli, "train_step", step)
+    assert _train("--run-dir", str(run), "--max-tokens", "300") == 1
+    err = "".join(capsys.readouterr())
+    m = __import__("re").search(r"out of memory at update 8, on a batch of (\d+) pairs padded "
+                                r"to (\d+) source and (\d+) target tokens \((\d+) of "
+                                r"--max-tokens 300\): pass --max-tokens (\d+)", err)
+    assert m, err
+    pairs, S, T, tokens, lower = map(int, m.groups())
+    assert tokens == pairs * max(S, T) <= 300 and 64 <= lower < tokens
+    assert "checkpoints in" in err and "intact" in err
+    assert (run / "checkpoint_last.npz").exists()  # (the checkpoint of update 6)

@@ -320,6 +320,16 @@ class Comm:
         self.mpi.Allreduce(self.MPI.IN_PLACE, mine, op=self.MPI.MAX)
         return self.size - int(mine[0]) if mine[0] else None
 
+    def agree_min(self, value):
+        """The smallest of every rank's ``value`` (a number), on every rank."""
+        mine = np.array([value], dtype=np.float64)
+        self.mpi.Allreduce(self.MPI.IN_PLACE, mine, op=self.MPI.MIN)
+        return type(value)(mine[0])
+
+    def local_size(self):
+        """The ranks on this machine (sharing its memory)."""
+        return self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED).Get_size()
+
     def agree_to_stop(self, elapsed, signum):
         """One decision for all ranks, taken before each update: -> (rank 0's ``elapsed``
         seconds, the largest signal number any rank received, or None).

@@ -79,12 +79,28 @@ def _data_flags(g):
                     "(unigram models; 0 = off, always the best one; e.g. 0.5)")
     add_number(g, "--subword-nbest", int, ">= 1", default=16,
                help="segmentations per sentence to sample from (with --subword-alpha)")
-    add_number(g, "--max-tokens", int, ">= 1", default=4096,
-               help="padded source (and target) tokens per batch")
+    add_number(g, "--max-tokens", int, ">= 1", default=4096, auto=True,
+               help="padded source (and target) tokens per batch; auto: the largest that "
+                    "fits in --memory, measured on the longest pairs (mt/memfit.py)")
+    g.add_argument("--memory", type=_memory, default=None, metavar="SIZE",
+                   help="memory one rank may use with --max-tokens auto, e.g. 8G or 800M "
+                        "(default: half of the machine's available memory, shared by its "
+                        "ranks; 80%% of a GPU's free memory)")
     add_number(g, "--max-len", int, ">= 1", default=256,
                help="drop training pairs longer than this many tokens (counted in the log)")
     add_number(g, "--synthetic-pairs", int, ">= 10", default=20000,
                help="training pairs of the generated corpus (no --data)")
+
+
+def _memory(text):
+    """--memory: a size such as 8G -> the text (kept as given, for config.json)."""
+    from .memfit import parse_memory
+    try:
+        parse_memory(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 8G, 800M or 1.5GiB, got "
+                                         f"{text!r}") from None
+    return str(text)
 
 
 def _model_flags(g):
@@ -283,6 +299,10 @@ def plans_to_deadline(args):
 
 def check_options(args):
     """Combinations of options that cannot work, each refused with what to do instead."""
+    if args.resume and args.max_tokens == "auto":
+        raise SystemExit("error: --max-tokens auto chooses the batch size when a run starts; "
+                         "a resumed run keeps the one it chose (in config.json): drop "
+                         "--max-tokens, or give a number")
     if args.lr_schedule == "linear" and not args.max_updates > args.warmup and not (
             plans_to_deadline(args) and not args.max_updates):
         raise SystemExit("error: --lr-schedule linear decays to 0 at --max-updates; "

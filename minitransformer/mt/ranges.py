@@ -28,12 +28,17 @@ def _predicate(text):
     return tests[op], f"{op} {bound:g}"
 
 
-def number(kind, valid):
-    """An argparse ``type``: converts to ``kind`` (int or float), then checks ``valid``."""
+def number(kind, valid, auto=False):
+    """An argparse ``type``: converts to ``kind`` (int or float), then checks ``valid``;
+    with ``auto`` the word 'auto' is taken as it is."""
     test, where = _predicate(valid)
     noun = "an integer" if kind is int else "a number"
+    if auto:
+        where += " or 'auto'"
 
     def convert(text):
+        if auto and str(text).strip().lower() == "auto":
+            return "auto"
         try:
             value = kind(text)
         except (TypeError, ValueError):
@@ -47,16 +52,16 @@ def number(kind, valid):
     return convert
 
 
-def add_number(group, flag, kind, valid, help=None, **kw):
-    """``group.add_argument(flag, type=number(kind, valid), ...)``, the range and the default
-    in the help text."""
-    extra = [] if valid == "any" else [_predicate(valid)[1]]
+def add_number(group, flag, kind, valid, help=None, auto=False, **kw):
+    """``group.add_argument(flag, type=number(kind, valid, auto), ...)``, the range and the
+    default in the help text; ``auto``: the flag also takes the word 'auto'."""
+    extra = [] if valid == "any" else [_predicate(valid)[1] + (" or 'auto'" if auto else "")]
     if kw.get("default") is not None and kw.get("nargs") is None:
         extra.append(f"default {kw['default']:g}" if isinstance(kw["default"], float)
                      else f"default {kw['default']}")
     text = (help + " " if help else "") + (f"({'; '.join(extra)})" if extra else "")
-    action = group.add_argument(flag, type=number(kind, valid), help=text or None, **kw)
-    setattr(action, RANGE_ATTR, (kind, valid))
+    action = group.add_argument(flag, type=number(kind, valid, auto), help=text or None, **kw)
+    setattr(action, RANGE_ATTR, (kind, valid, auto))
     return action
 
 
@@ -67,9 +72,9 @@ def check_ranges(parser, options, source):
     ``source`` and the range. None values (unset, filled in later) pass."""
     options = dict(options)
     for action in parser._actions:
-        kind, valid = getattr(action, RANGE_ATTR, (None, None))
+        kind, valid, auto = getattr(action, RANGE_ATTR, (None, None, False))
         value = options.get(action.dest)
-        if kind is None or value is None:
+        if kind is None or value is None or (auto and value == "auto"):
             continue
         values = value if isinstance(value, (list, tuple)) else [value]
         converted = []

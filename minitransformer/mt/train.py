@@ -23,6 +23,7 @@ from ..engine.tensor import no_grad
 from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
 from ..optim import Adam, DynamicLossScaler, LossScaleCollapse, linear_decay_lr, noam_lr
 from . import checkpoint as ckpt
+from . import memfit
 from .data import Batches, DataError, collate, overlong_pairs, read_parallel
 from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
@@ -80,9 +81,14 @@ class Trainer:
         self._prepare_data()
         self.cfg = self._model_config()
         self._prepare_valid()
+        if args.max_tokens != "auto":
+            self._make_batches()
+        self._build_model()
+        if args.max_tokens == "auto":  # (a new run: a resumed one has its number)
+            self._fit_max_tokens()
+            self._make_batches()
         if self.main and not args.resume:
             self.rd.write_config(dataclasses.asdict(self.cfg), run_options(args))
-        self._build_model()
 
     def _open_run_dir(self):
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
@@ -121,6 +127,7 @@ class Trainer:
         self.train_time = 0.0
         self.guard = DivergenceGuard(a.max_bad_updates)  # float32 (float16: the scaler)
         self.saved_update = None  # the update of the newest checkpoint
+        self.last_batch = None  # (pairs, S, T) of the batch in hand, for an out-of-memory report
         self.plan = None
         if plans_to_deadline(a):
             self.plan = DeadlinePlan(a.max_time * 60, self.cfg.d_model, a.warmup, a.lr_factor,
@@ -157,11 +164,7 @@ class Trainer:
             resegment = lambda rng: (samplers[0](rng), samplers[1](rng))  # noqa: E731
             self._log_early(f"subword regularization: alpha {a.subword_alpha}, "
                             f"{a.subword_nbest}-best segmentations")
-        self.batches = Batches(self.tok.encode(src), self.tok.encode(tgt), a.max_tokens,
-                               a.max_len, seed=a.seed, resegment=resegment)
-        self._log_early(f"train: {stats['pairs']} pairs from {self.files[a.train_split][0]}, "
-                        f"{stats['skipped_empty']} empty skipped, {self.batches.dropped} longer "
-                        f"than --max-len {a.max_len} dropped, {len(self.batches)} batches/epoch")
+        self._train = (self.tok.encode(src), self.tok.encode(tgt), resegment, stats)
 
     def _prepare_valid(self):
         """The validation set (when its files exist), without the pairs longer than the
@@ -189,8 +192,47 @@ class Trainer:
         if not vs:
             return
         self.valid = (vs, vt)
-        self.valid_batches = Batches(src_ids, tgt_ids, a.max_tokens, max_len=limit, seed=0,
-                                     shuffle=False)
+        self._valid_ids = (src_ids, tgt_ids)
+
+    def _make_batches(self):
+        """The training batches (with subword sampling when asked) and the validation ones,
+        of --max-tokens tokens."""
+        a = self.args
+        src_ids, tgt_ids, resegment, stats = self._train
+        self.batches = Batches(src_ids, tgt_ids, a.max_tokens, a.max_len, seed=a.seed,
+                               resegment=resegment)
+        self._log_early(f"train: {stats['pairs']} pairs from {self.files[a.train_split][0]}, "
+                        f"{stats['skipped_empty']} empty skipped, {self.batches.dropped} longer "
+                        f"than --max-len {a.max_len} dropped, {len(self.batches)} batches/epoch")
+        if self.valid is not None:
+            self.valid_batches = Batches(*self._valid_ids, a.max_tokens,
+                                         max_len=self.cfg.max_positions, seed=0, shuffle=False)
+
+    def _fit_max_tokens(self):
+        """--max-tokens auto: the largest budget whose step on the longest training pairs
+        (this rank's share of the batch under mpiexec) fits in --memory (mt/memfit.py);
+        every rank takes the smallest any rank found. The model and optimizer are left
+        as they were: the run then trains as with that --max-tokens given."""
+        a = self.args
+        if a.memory:
+            budget = memfit.parse_memory(a.memory)
+        else:
+            budget = memfit.default_budget(self.device, self.comm.local_size()
+                                           if self.comm else 1)
+        src_ids, tgt_ids, _, _ = self._train
+        pairs = [(s, t) for s, t in zip(src_ids, tgt_ids)
+                 if len(s) < a.max_len and len(t) < a.max_len]  # (as Batches keeps them)
+        if not pairs:
+            return  # (Batches reports that every pair is too long)
+        share = self.comm.shard if self.comm else (lambda batch: batch)
+        tokens, probes = memfit.fit_max_tokens(
+            lambda batch: memfit.step_peak(self.model, self.optim, share(batch), self.cfg,
+                                           self.device),
+            pairs, budget, memfit.in_use(self.device))
+        if self.comm:
+            tokens = self.comm.agree_min(tokens)
+        a.max_tokens = tokens
+        self._log_early(memfit.report(tokens, probes, budget))
 
     def _find_corpus(self):
         """``self.files``: split -> (source, target) paths, in --data or, without it, in the
@@ -312,6 +354,8 @@ class Trainer:
                 batch = self.comm.shard(batch)
             if batch:
                 kept.append(collate(batch, self.tok.pad_id, self.tok.bos_id, self.tok.eos_id))
+                self.last_batch = (len(batch),) + tuple(kept[-1][k].shape[1]
+                                                         for k in ("src", "tgt_in"))
                 yield kept[-1]
 
     def _diverged(self, batches, rng_state, why=None):
@@ -526,6 +570,23 @@ class Trainer:
         return bleu
 
 
+def out_of_memory(args, trainer):
+    """The message for a MemoryError (NumPy's, or CuPy's OutOfMemoryError): where it struck,
+    the batch that did not fit, and what to pass instead."""
+    keep = f"the checkpoints in {args.run_dir} are intact (--resume continues)"
+    batch = getattr(trainer, "last_batch", None)
+    if trainer is None or batch is None:
+        return (f"out of memory before training: lower --max-tokens (now {args.max_tokens}) "
+                f"or --max-len, or pass --max-tokens auto to fit the batches to --memory; "
+                f"{keep}")
+    pairs, S, T = batch
+    lower = max(64, int(0.7 * pairs * max(S, T)) // 64 * 64)
+    return (f"out of memory at update {trainer.update + 1}, on a batch of {pairs} pairs "
+            f"padded to {S} source and {T} target tokens ({pairs * max(S, T)} of "
+            f"--max-tokens {args.max_tokens}): pass --max-tokens {lower} (or lower "
+            f"--max-len {args.max_len}), or start a new run with --max-tokens auto; {keep}")
+
+
 def main(argv=None, comm=None):
     """train.py. Exit status: 0 trained (and tested); 1 out of memory; 2 a mistake in the
     flags, files or data, or a path the run cannot use (refusals of flags and run
@@ -551,9 +612,7 @@ def main(argv=None, comm=None):
             comm.agreed_stop = True
         return _fail(str(exc), 3) if exc.speak else 3
     except MemoryError:
-        where = "before training" if trainer is None else f"at update {trainer.update + 1}"
-        return _fail(f"out of memory {where}: lower --max-tokens (or --max-len); the "
-                     f"checkpoints in {args.run_dir} are intact (--resume continues)", 1)
+        return _fail(out_of_memory(args, trainer), 1)
     except KeyboardInterrupt:  # (under mpiexec: status 1, so the other ranks are stopped)
         stage = ("while setting up the run" if trainer is None else "while profiling"
                  if args.profile else "while scoring the test set")
