@@ -297,3 +297,33 @@ def test_two_ranks_follow_one_plan_on_rank_0s_clock(tmp_path):
     assert plans and final["update"] == plans[-1]["plan_updates"] == final["plan"]["total"]
     assert f"reached the {final['update']} updates planned" in out
     assert math.isclose(plan.piece_lr(final["update"], final["plan"]["pieces"], 32, 50), 0.0)
+
+
+def test_an_unchosen_warmup_becomes_a_share_of_the_first_plan():
+    # the paper's 4000 updates of warm-up would not fit a short budget: without --warmup the
+    # first plan sets it to warmup_share of N, and the decay is linear_decay_lr's with it
+    p = plan.DeadlinePlan(budget=1000.0, d_model=64, warmup=4000, warmup_share=0.12)
+    feed(p, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
+    n = p.total
+    assert 900 < n < 1000 and p.warmup == round(0.12 * n)
+    for step in range(p.warmup, n + 1, 7):
+        assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, p.warmup, n), rel=1e-12)
+    copy = plan.DeadlinePlan(budget=1000.0, d_model=64, warmup=4000)
+    copy.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert copy.warmup == p.warmup and copy.lr(500) == p.lr(500)
+    # a chosen warm-up is kept
+    q = plan.DeadlinePlan(budget=1000.0, d_model=64, warmup=4000)
+    feed(q, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
+    assert q.warmup == 4000
+
+
+def test_a_time_budget_plans_the_schedule_by_default():
+    from minitransformer.mt.options import fill_defaults, parse_args
+    base = ["--data", "d", "--src-lang", "en", "--tgt-lang", "de"]
+    for extra, want in ((["--max-time", "30"], "linear"),
+                        (["--max-time", "30", "--lr-schedule", "inverse-sqrt"], "inverse-sqrt"),
+                        (["--max-time", "30", "--max-updates", "5000"], "inverse-sqrt"),
+                        ([], "inverse-sqrt")):
+        args = parse_args(base + extra)
+        fill_defaults(args)
+        assert args.lr_schedule == want, extra

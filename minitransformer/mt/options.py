@@ -129,7 +129,10 @@ def _optimiser_flags(g):
     g.add_argument("--lr-schedule", default="inverse-sqrt", choices=["inverse-sqrt", "linear"],
                    help="after the warm-up: the paper's inverse square root decay, or a straight "
                         "line to 0 at --max-updates (for a fixed budget of updates) or, with "
-                        "--max-time, at the number of updates the run plans to fit in it")
+                        "--max-time, at the number of updates the run plans to fit in it "
+                        "(default: linear for a new run with --max-time and no --max-updates, "
+                        "its warm-up then 12%% of the plan unless --warmup is given; else "
+                        "inverse-sqrt)")
     add_number(g, "--warmup", int, ">= 1", default=None,
                help="warm-up updates (default 4000 as in the paper; 300 for the synthetic "
                     "corpus)")
@@ -289,6 +292,9 @@ def fill_defaults(args):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if (not args.resume and args.max_time > 0 and not args.max_updates
+            and "lr_schedule" not in args.explicit):
+        args.lr_schedule = "linear"  # a time budget: the decay planned to end with it
 
 
 def plans_to_deadline(args):

@@ -43,6 +43,9 @@ from .translation import corpus_bleu, translate_lines
 FLOAT16_DEVICES = ("cuda",)
 
 
+WARMUP_SHARE = 0.12  # a planned run's warm-up, unless given: 12% of its updates (mt/plan.py)
+
+
 class Trainer:
     """One training run: set up from the flags (data, vocabulary, model, optimizer; or the
     state of the run being resumed), then ``run()`` the loop and ``test()`` the result."""
@@ -132,7 +135,9 @@ class Trainer:
         if plans_to_deadline(a):
             self.plan = DeadlinePlan(a.max_time * 60, self.cfg.d_model, a.warmup, a.lr_factor,
                                      a.valid_every if self.valid is not None else 0,
-                                     a.save_every, a.max_updates)
+                                     a.save_every, a.max_updates,
+                                     warmup_share=None if "warmup" in a.explicit
+                                     else WARMUP_SHARE)
         if a.resume:
             self._load(self.rd.last)
             self.saved_update = self.update
