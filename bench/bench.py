@@ -387,7 +387,8 @@ class CT2Runner(Runner):
     ``--threads`` intra-op threads. Token ids become the strings of a made-up vocabulary
     ("<blank>", "<unk>", "<s>", "</s>", "t4", ...). CTranslate2 takes one maximum output
     length per call, so each batch is split into groups of equal maximum length (ours:
-    source length + --max-len-a per sentence)."""
+    source length + --max-len-a per sentence); the options are export.search_options', so
+    greedy search is token for token ours."""
 
     def build(self):
         import ctranslate2
@@ -419,15 +420,19 @@ class CT2Runner(Runner):
         return {}
 
     def search(self, kind, src):
-        pad, eos = self.cfg["pad_id"], self.cfg["eos_id"]
+        from minitransformer.export import search_options
+        c = self.cfg
+        pad, eos = c["pad_id"], c["eos_id"]
         rows = [[self.vocab[i] for i in row if i not in (pad, eos)] for row in src.tolist()]
-        limits = [len(r) + 1 + self.args.max_len_a for r in rows]  # EOS counts, as in ours
         out = [None] * len(rows)
-        for limit in sorted(set(limits)):
-            group = [i for i, n in enumerate(limits) if n == limit]
-            res = self.translator.translate_batch(
-                [rows[i] for i in group], beam_size=1 if kind == "greedy" else self.args.beam,
-                length_penalty=0.6, max_decoding_length=limit)
+        for n in sorted({len(r) for r in rows}):  # one maximum output length a call
+            group = [i for i, r in enumerate(rows) if len(r) == n]
+            # greedy: exactly ours (pad and BOS suppressed, EOS allowed at once); beam: the
+            # power length penalty with alpha 0.6, where ours and torch use GNMT's
+            opts = search_options(c["max_positions"], self.vocab[pad], self.vocab[c["bos_id"]],
+                                  n, 1 if kind == "greedy" else self.args.beam, 0.6,
+                                  self.args.max_len_a)
+            res = self.translator.translate_batch([rows[i] for i in group], **opts)
             for i, r in zip(group, res):
                 out[i] = [self.index[t] for t in r.hypotheses[0]]
         return out
@@ -808,9 +813,12 @@ def parse_args(argv=None):
                         "over gloo); needs pip install -e .[mpi]. Decoding stays one process")
     p.add_argument("--no-torch", dest="torch", action="store_false",
                    help="measure minitransformer only")
+    p.add_argument("--no-ctranslate2", dest="ct2", action="store_false",
+                   help="skip CTranslate2: by default, where it is installed (pip install -e "
+                        ".[deploy]), decoding on the CPU is timed with CTranslate2 float32 too, "
+                        "on the same initial weights exported")
     p.add_argument("--ctranslate2", dest="ct2", action="store_true",
-                   help="also decode with CTranslate2 float32, the same initial weights "
-                        "exported (CPU; needs pip install -e .[deploy])")
+                   help=argparse.SUPPRESS)  # (the default; kept for older command lines)
     p.add_argument("--profile", nargs="*", default=["tiny"], metavar="CONFIG",
                    help="configs whose training step is profiled, op by op and module by "
                         "module (minitransformer's profiler: time, GFLOP/s, MFU; default tiny; "

@@ -5,15 +5,17 @@ CTranslate2 on the same weights (exported with ``python -m minitransformer.expor
         --input data/multi30k/test2016.en --reference data/multi30k/test2016.de
 
 For each of greedy and beam search it translates the whole input, ``--reps`` times after one
-warm-up pass, with ours (``mt.translation.translate_lines``: sorted by length, batches of
-``--max-tokens`` padded source tokens) and with CTranslate2 float32 and int8 (the same
+warm-up pass, with ours
+(``mt.translation.translate_ids``: sorted by length, batches of ``--max-tokens`` padded
+source tokens) and with CTranslate2 float32 and int8 (the same
 sentencepiece pieces, ``translate_batch`` with ``export.translate_options`` and batches of
 ``--max-tokens`` tokens, which CTranslate2 sorts by length itself; one maximum output length
 for the whole input, the longest source's), and reports sentences/s (median of the reps), cased
 sacreBLEU, and how many outputs are token-identical to ours. Tokenizing and detokenizing are
 outside the timed region on both sides. Both use ``--threads`` cores, each in the ways it
 offers: ours as translate.py does (``--workers`` processes, each with threads / workers
-OpenBLAS threads; 0 = one per core, translate.py's default), CTranslate2 both as one
+OpenBLAS threads; 0 = one per core, translate.py's default; and, for comparison, in one
+process with ``--threads`` OpenBLAS threads), CTranslate2 both as one
 translator with ``--threads`` intra_threads ("1x2 threads" on 2 cores) and as ``--threads``
 translators with one thread each (inter_threads, "2x1"), which it splits a call's batches
 between. The beam rows use the power length penalty (our ``--length-penalty power``), the
@@ -48,7 +50,7 @@ def parse_args(argv=None):
                    help="power length penalty exponent of the beam rows (default 1.0)")
     p.add_argument("--max-len-a", type=int, default=50)
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--workers", type=int, default=0,
                    help="ours: translating processes (default 0: one per core, as "
@@ -60,48 +62,51 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def timed(fn, reps):
-    """fn() once to warm up, then ``reps`` times -> (median seconds, every time, output)."""
-    out = fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times, out
-
-
-def ours(args, model, tok, lines, searches):
+def ours(args, model, tok, lines, workers):
+    """-> run(search options) -> output ids, translate.py's way with ``workers``."""
     from minitransformer.mt.translation import translate_ids
     ids = tok.encode([line.strip() for line in lines])
-    workers = args.workers or args.threads
     extra = {} if workers == 1 else {"workers": workers}  # (older versions: one process)
-    rows = {}
-    for name, opts in searches.items():
-        sec, times, hyps = timed(lambda o=opts: translate_ids(
-            model, ids, max_len_a=args.max_len_a, max_tokens=args.max_tokens, **o, **extra),
-            args.reps)
-        rows[name] = dict(seconds=sec, times=times, ids=hyps, text=tok.decode(hyps))
-    return rows
+    return lambda opts: translate_ids(model, ids, max_len_a=args.max_len_a,
+                                      max_tokens=args.max_tokens, **opts, **extra)
 
 
-def ct2(args, model_dir, tok, lines, searches, inter, intra):
+def ct2(args, model_dir, tok, lines, inter, intra):
+    """-> run(search options) -> output ids, with a CTranslate2 translator of ``inter``
+    replicas of ``intra`` threads."""
     import ctranslate2
+
+    from minitransformer.export import translate_options
     tr = ctranslate2.Translator(model_dir, device="cpu", inter_threads=inter,
                                 intra_threads=intra)
     pieces = [tok.sp.encode(line.strip(), out_type=str) for line in lines]
-    rows = {}
-    from minitransformer.export import translate_options
     longest = max(map(len, pieces))  # one maximum output length per call: the longest's
-    for name, opts in searches.items():
+
+    def run(opts):
         kw = dict(translate_options(model_dir, longest, opts.get("beam", 1),
                                     opts.get("alpha", 0.0), args.max_len_a),
                   max_batch_size=args.max_tokens, batch_type="tokens")
-        sec, times, res = timed(lambda k=kw: tr.translate_batch(pieces, **k), args.reps)
-        out = [r.hypotheses[0] for r in res]
-        ids = [[tok.sp.piece_to_id(p) for p in h] for h in out]
-        rows[name] = dict(seconds=sec, times=times, ids=ids, text=tok.decode(ids))
-    return rows
+        return [[tok.sp.piece_to_id(p) for p in r.hypotheses[0]]
+                for r in tr.translate_batch(pieces, **kw)]
+    return run
+
+
+def measure(args, runners, searches, tok):
+    """Each engine in turn, each search once to warm up and then ``--reps`` times ->
+    {engine: {search: dict(seconds (median), times, ids, text)}}. (Not interleaved: the
+    thread pools of one engine spin for a while after a call and would slow the next.)"""
+    results = {}
+    for engine, run in runners.items():
+        results[engine] = {}
+        for name, opts in searches.items():
+            out, times = run(opts), []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                run(opts)
+                times.append(time.perf_counter() - t0)
+            results[engine][name] = dict(ids=out, text=tok.decode(out), times=times,
+                                         seconds=statistics.median(times))
+    return results
 
 
 def main(argv=None):
@@ -117,18 +122,22 @@ def main(argv=None):
     searches = {"greedy": dict(beam=1),
                 f"beam {args.beam}": dict(beam=args.beam, alpha=args.alpha,
                                           length_penalty="power")}
-    results = {"ours": ours(args, model, tok, lines, searches)}
-    if args.ct2:
-        from minitransformer.export import export_ctranslate2
-        with tempfile.TemporaryDirectory() as tmp:
+    workers = args.workers or args.threads
+    runners = {"ours": ours(args, model, tok, lines, workers)}
+    if workers != 1:  # what the workers add
+        runners["ours, 1 process"] = ours(args, model, tok, lines, 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.ct2:
+            from minitransformer.export import export_ctranslate2
             for q in ("float32", "int8"):
                 out = export_ctranslate2(args.run_dir, os.path.join(tmp, q),
                                          average_last=args.average_last or None,
                                          quantization=None if q == "float32" else q)
                 n = args.threads
                 for inter, intra in ((1, n), (n, 1)) if n > 1 else ((1, 1),):
-                    results[f"CTranslate2 {q}, {inter}x{intra} threads"] = ct2(
-                        args, out, tok, lines, searches, inter, intra)
+                    runners[f"CTranslate2 {q}, {inter}x{intra} threads"] = ct2(
+                        args, out, tok, lines, inter, intra)
+        results = measure(args, runners, searches, tok)
     report(args, results, lines, refs, what, corpus_bleu)
 
 

@@ -255,9 +255,10 @@ def ctranslate2_table(runs):
             continue
         for kind, label in (("greedy", "greedy"), ("beam", f"beam {r['settings']['beam']}")):
             a, c = d["ours"][kind]["sentences_per_s"], d["ctranslate2"][kind]["sentences_per_s"]
+            t = d["torch"][kind]["sentences_per_s"] if "torch" in d else None
             rows.append(f"| {r['config']} | {_where(r)} | {label}, sentences/s (median of "
                         f"{d['ours'][kind]['reps']}) | {a:.1f} | "
-                        f"{_fmt(_get(d, 'torch', kind, 'sentences_per_s'), '.1f')} | {c:.1f} | "
+                        f"{_fmt(t, '.1f')} | {c:.1f} | "
                         f"{a / c:.2f}x |")
     return "\n".join(rows) if len(rows) > 2 else None
 

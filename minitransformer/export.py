@@ -179,7 +179,16 @@ def translate_options(model_dir: Union[str, os.PathLike], source_length: int, be
     beam > 1 (the module docstring lists where the two can still differ)."""
     with open(os.path.join(os.fspath(model_dir), INFO_FILE), encoding="utf-8") as f:
         info = json.load(f)
-    P = info["config"]["max_positions"]
+    return search_options(info["config"]["max_positions"], info["pad_token"],
+                          info["bos_token"], source_length, beam, alpha, max_len_a)
+
+
+def search_options(max_positions: int, pad_token: str, bos_token: str, source_length: int,
+                   beam: int = 1, alpha: float = 0.0, max_len_a: int = 50) -> dict:
+    """translate_options for a model of ``max_positions`` positions whose padding and BOS
+    are the pieces ``pad_token`` and ``bos_token`` (for a model saved without
+    minitransformer.json, e.g. the benchmark's)."""
+    P = max_positions
     fed = min(source_length, P - 1) + 1  # the source as the encoder sees it, EOS included
     options = dict(beam_size=beam, max_decoding_length=max(1, min(fed + max_len_a, P - 1)),
                    min_decoding_length=0, max_input_length=P, num_hypotheses=1, patience=1,
@@ -187,7 +196,7 @@ def translate_options(model_dir: Union[str, os.PathLike], source_length: int, be
     if beam > 1:  # padding and BOS stay in the softmax's normaliser, as in ours
         options["length_penalty"] = float(alpha)
     else:  # never the argmax, as in ours
-        options["suppress_sequences"] = [[info["pad_token"]], [info["bos_token"]]]
+        options["suppress_sequences"] = [[pad_token], [bos_token]]
     return options
 
 

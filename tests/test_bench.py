@@ -55,7 +55,7 @@ def test_bench_runs_one_process_and_two_ranks(tmp_path):
     report = tmp_path / "RESULTS.md"
     env = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--config", "tiny",
-           "--no-torch", "--ranks", "2", "--steps", "2", "--warmup", "1",
+           "--no-torch", "--no-ctranslate2", "--ranks", "2", "--steps", "2", "--warmup", "1",
            "--decode-sentences", "4", "--decode-reps", "1", "--profile", "--threads", "1",
            "--results", str(report)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
@@ -71,6 +71,23 @@ def test_bench_runs_one_process_and_two_ranks(tmp_path):
     assert len(res["memory"]["ours_ranks"]["per_rank_mib"]) == 2
     text = report.read_text()
     assert "2 ranks x 1 thread" in text and "ranks summed" in text
+
+
+def test_bench_decodes_with_ctranslate2_where_it_is_installed(tmp_path):
+    """Where ctranslate2 is installed, decoding gets it as a third engine on the same
+    initial weights; its greedy outputs are ours (float32, exported exactly)."""
+    pytest.importorskip("ctranslate2")
+    report = tmp_path / "RESULTS.md"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--config", "tiny",
+           "--no-torch", "--steps", "1", "--warmup", "1", "--decode-sentences", "16",
+           "--decode-reps", "1", "--profile", "--threads", "1", "--results", str(report)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads((tmp_path / "results" / "run-tiny-cpu-t1.json").read_text())
+    assert set(res["decode"]) == {"ours", "ctranslate2"}
+    greedy = res["decode_agreement_ctranslate2"]["greedy"]
+    assert greedy["identical"] == greedy["of"] == 16, greedy
+    assert "CTranslate2 float32" in report.read_text()
 
 
 def test_bench_float16_without_a_gpu_says_what_it_needs(tmp_path):
