@@ -49,6 +49,24 @@ def synthetic_tokenizer(directory, n_valid, seed=7):
     return Tokenizer(train_sentencepiece([str(text)], str(directory / "spm"), 100)), corpus
 
 
+def untrained_run(path, tok, **config):
+    """A run directory translate.py can load at ``path`` (created): ``tok``'s spm.model and
+    checkpoint_last.npz of an untrained 1-layer model (d_model 16; ``config`` overrides
+    TransformerConfig fields) -> the model, in eval mode."""
+    from minitransformer.mt import checkpoint as ckpt
+    from minitransformer.nn.transformer import Transformer, TransformerConfig
+    cfg = TransformerConfig(**{**dict(vocab_size=tok.vocab_size, d_model=16, n_heads=2,
+                                      d_ff=32, n_layers=1, pad_id=tok.pad_id,
+                                      bos_id=tok.bos_id, eos_id=tok.eos_id), **config})
+    model = Transformer(cfg, seed=3)
+    path.mkdir()
+    (path / "spm.model").write_bytes(open(tok.model_path, "rb").read())
+    ckpt.save_checkpoint(str(path / "checkpoint_last.npz"), model, None,
+                         {"spm_sha256": ckpt.file_sha256(str(path / "spm.model"))})
+    model.eval()
+    return model
+
+
 @pytest.fixture(autouse=True)
 def _gpu_path(request):
     """For a test marked ``gpu`` without a real GPU: CuPy is the stand-in during the test."""

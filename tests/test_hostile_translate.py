@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 from minitransformer.mt import checkpoint as ckpt
-from minitransformer.nn.transformer import Transformer, TransformerConfig
 
-from conftest import synthetic_tokenizer
+from conftest import synthetic_tokenizer, untrained_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # permissions do not stop root
@@ -30,14 +29,8 @@ def env(tmp_path_factory):
     """A loadable run directory (untrained tiny model) and the files the cases use."""
     d = tmp_path_factory.mktemp("hostile")
     tok, corpus = synthetic_tokenizer(d, n_valid=6)
-    cfg = TransformerConfig(vocab_size=tok.vocab_size, d_model=16, n_heads=2, d_ff=32,
-                            n_layers=1, max_positions=64, pad_id=tok.pad_id, bos_id=tok.bos_id,
-                            eos_id=tok.eos_id)
     run = d / "run"
-    run.mkdir()
-    (run / "spm.model").write_bytes(open(tok.model_path, "rb").read())
-    ckpt.save_checkpoint(str(run / "checkpoint_last.npz"), Transformer(cfg, seed=3), None,
-                         {"spm_sha256": ckpt.file_sha256(str(run / "spm.model"))})
+    cfg = untrained_run(run, tok, max_positions=64).cfg
     good = (run / "checkpoint_last.npz").read_bytes()
     lines = corpus["valid"][0][:3]
     files = {"run": str(run), "dir": str(d), "missing": str(d / "no_such_file.txt")}

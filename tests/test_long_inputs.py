@@ -7,15 +7,13 @@ decoding never runs past the positions; one output line per input line, always.
 import numpy as np
 import pytest
 
-from minitransformer.mt import checkpoint as ckpt
 from minitransformer.mt import translate as translate_cli
 from minitransformer.mt.data import DataError, overlong_pairs
 from minitransformer.mt.search import beam_search, greedy_search, output_limits
 from minitransformer.mt.translation import (max_source_tokens, translate_ids, translate_lines,
                                             truncate_sources)
-from minitransformer.nn.transformer import Transformer, TransformerConfig
 
-from conftest import synthetic_tokenizer
+from conftest import synthetic_tokenizer, untrained_run
 
 SHORT = 48  # max_positions of the small model: 47 source pieces + EOS
 
@@ -23,16 +21,7 @@ SHORT = 48  # max_positions of the small model: 47 source pieces + EOS
 def _run_dir(path, tok, max_positions):
     """A run directory translate.py can load, with an untrained model (an untrained model
     never emits EOS by itself, so every output runs to its length limit)."""
-    cfg = TransformerConfig(vocab_size=tok.vocab_size, d_model=16, n_heads=2, d_ff=32,
-                            n_layers=1, max_positions=max_positions, pad_id=tok.pad_id,
-                            bos_id=tok.bos_id, eos_id=tok.eos_id)
-    model = Transformer(cfg, seed=3)
-    path.mkdir()
-    (path / "spm.model").write_bytes(open(tok.model_path, "rb").read())
-    ckpt.save_checkpoint(str(path / "checkpoint_last.npz"), model, None,
-                         {"spm_sha256": ckpt.file_sha256(str(path / "spm.model"))})
-    model.eval()
-    return model
+    return untrained_run(path, tok, max_positions=max_positions)
 
 
 @pytest.fixture(scope="module")

@@ -77,17 +77,10 @@ def test_one_batch_is_translated_in_this_process(model, monkeypatch):
 
 
 def test_translate_py_workers_flag(tmp_path, capsys):
-    from conftest import synthetic_tokenizer
-    from minitransformer.mt import checkpoint as ckpt
+    from conftest import synthetic_tokenizer, untrained_run
     tok, corpus = synthetic_tokenizer(tmp_path, n_valid=40)
-    cfg = TransformerConfig(vocab_size=tok.vocab_size, d_model=16, n_heads=2, d_ff=32,
-                            n_layers=1, pad_id=tok.pad_id, bos_id=tok.bos_id,
-                            eos_id=tok.eos_id)
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "spm.model").write_bytes(open(tok.model_path, "rb").read())
-    ckpt.save_checkpoint(str(run / "checkpoint_last.npz"), Transformer(cfg, seed=3), None,
-                         {"spm_sha256": ckpt.file_sha256(str(run / "spm.model"))})
+    untrained_run(run, tok)
     src = tmp_path / "in.txt"
     src.write_text("\n".join(corpus["valid"][0]) + "\n", encoding="utf-8")
     outs = []
