@@ -327,3 +327,13 @@ def test_a_time_budget_plans_the_schedule_by_default():
         args = parse_args(base + extra)
         fill_defaults(args)
         assert args.lr_schedule == want, extra
+
+
+def test_a_capped_first_plan_still_fits_the_warmup():
+    # --max-updates caps the plan at 600 (the budget would allow more): the warm-up not
+    # chosen becomes 12% of 600, and the schedule is linear_decay_lr's with it
+    p = plan.DeadlinePlan(budget=10_000.0, d_model=64, warmup=4000, cap=600, warmup_share=0.12)
+    feed(p, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
+    assert p.total == 600 and p.warmup == 72
+    for step in range(p.warmup, 601, 5):
+        assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, 72, 600), rel=1e-12)

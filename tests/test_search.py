@@ -198,3 +198,17 @@ def test_one_row_a_sentence_becomes_beams_and_sentences_change_places(model):
     rows = np.array([2, 2, 2, 1, 1, 1])
     want = _uncached(model, src[rows], np.concatenate([history[rows], nxt], 1))
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_beam_search_with_a_vocabulary_smaller_than_twice_the_beam():
+    # 7 tokens (4 special), beam 5: the first step cannot find 2 * beam candidates in one
+    # row, so every beam row runs from the start; the search still finishes and beam 1 of
+    # the same model is greedy
+    from minitransformer.mt.search import beam_search, greedy_search
+    cfg = TransformerConfig(vocab_size=7, d_model=16, n_heads=2, d_ff=32, n_layers=1,
+                            dropout=0.0)
+    m = Transformer(cfg, seed=2, dtype=np.float64)
+    src = np.random.default_rng(13).integers(4, 7, (3, 5))
+    out = beam_search(m, src, beam=5, max_len_a=3)
+    assert len(out) == 3 and all(all(4 <= t < 7 for t in h) for h in out)
+    assert beam_search(m, src, beam=1, max_len_a=3) == greedy_search(m, src, max_len_a=3)

@@ -7,8 +7,9 @@ length. So the budget is fitted on the worst batches the corpus can make: for a 
 T, the batch of the longest pairs that T allows (as ``data.Batches`` would cut it). Its step
 is measured (peak bytes allocated during forward and backward: NumPy's allocations as
 ``tracemalloc`` sees them on the CPU, CuPy's memory pool on a GPU) at two budgets, the
-growth per token is fitted as a straight line, the largest T under the budget is predicted
-and then checked by a third measurement (smaller by a tenth at a time until it fits).
+growth per token is fitted as a straight line through the two largest measurements, the
+largest T under the budget is predicted and measured, up to three times; the largest T
+measured to fit is taken (a probe that runs out of memory counts as over the budget).
 
 The measuring steps leave no trace: the gradients are zeroed after each and the dropout
 generator is put back, so a run with ``--max-tokens auto`` that picked T trains exactly as
@@ -114,6 +115,8 @@ def step_peak(model, optim, pairs, cfg, device="cpu"):
     """Peak bytes allocated during a forward and backward pass over ``pairs``, on top of
     what the process held before. Leaves the gradients zeroed and the dropout generator as
     it was."""
+    if not pairs:  # (this rank's share of a batch of fewer pairs than ranks)
+        return 0
     b = collate(pairs, cfg.pad_id, cfg.bos_id, cfg.eos_id)
     state = model.rng.get_state()
     model.train()
@@ -147,8 +150,13 @@ def fit_max_tokens(measure, pairs, budget, held, low=LOW, high=HIGH, rounds=3):
 
     def probe(tokens):
         batch = longest_batch(pairs, tokens)
-        probes.append((tokens, len(batch), held + measure(batch)))
-        return probes[-1][2]
+        try:
+            need = held + measure(batch)
+        except MemoryError:  # (NumPy's, or CuPy's OutOfMemoryError): over any budget
+            _free_pool()
+            need = float("inf")
+        probes.append((tokens, len(batch), need))
+        return need
 
     if probe(low) > budget:
         raise DataError(f"a training step of the {probes[0][1]} longest pairs ({low} tokens) "
@@ -168,9 +176,19 @@ def fit_max_tokens(measure, pairs, budget, held, low=LOW, high=HIGH, rounds=3):
     return max(t for t, _, m in probes if m <= budget), probes
 
 
+def _free_pool():
+    """Hand CuPy's cached blocks back after a probe ran out of GPU memory (no-op without)."""
+    import sys
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def report(tokens, probes, budget):
     """One log line: the choice and what it rests on."""
-    measured = ", ".join(f"{t} tokens ({n} sentences): {describe(m)}" for t, n, m in probes)
+    measured = ", ".join(f"{t} tokens ({n} sentences): "
+                         f"{describe(m) if m != float('inf') else 'out of memory'}"
+                         for t, n, m in probes)
     return (f"--max-tokens auto: {tokens} (memory budget {describe(budget)}; a step on the "
             f"longest pairs measured at {measured})")
 

@@ -183,9 +183,10 @@ class DeadlinePlan:
                          self.save_s or 0.0, self.valid_every, self.save_every, self.cap)
         if not first and abs(n - old) <= (old - update) // 100:
             return None  # within 1% of the updates left: keep the schedule as it is
+        warmup = self.warmup
         if first and self.warmup_share:  # (the warm-up was not chosen: fit it to the plan)
             self.warmup = max(update + 1, min(self.warmup, round(self.warmup_share * n)))
-        if n != old:
+        if n != old or self.warmup != warmup:
             self._new_piece(update, n)
         self.total = n
         return self._describe(first, update, elapsed, old)

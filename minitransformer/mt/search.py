@@ -142,12 +142,16 @@ def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
         # others k: the rows of sentence i are i*k .. i*k + k - 1, sharing its
         # encoder-decoder keys/values, and its j-th best hypothesis is in row
         # i*k + slot[i, j] (_place_beams: a row keeps its history when it can).
-        state = model.start_decoding(src, beams=1, max_length=int(limit.max()))
+        # (a vocabulary of fewer than 2 * beam tokens: all beam rows from the start, so that
+        # the first step still has 2 * beam candidates, most of them -inf)
+        g = 1 if model.cfg.vocab_size >= 2 * k else k
+        state = model.start_decoding(src, beams=g, max_length=int(limit.max()))
         alive = np.arange(B)  # original sentence of each active block of rows
-        tokens, scores = np.zeros((B, 1, 0), dtype=np.int64), np.zeros((B, 1))
-        slot = np.zeros((B, 1), dtype=np.int64)
+        tokens, scores = np.zeros((B, g, 0), dtype=np.int64), np.full((B, g), -np.inf)
+        scores[:, 0] = 0.0  # one hypothesis: BOS
+        slot = np.tile(np.arange(g), (B, 1))
         finished, n_finished = [[] for _ in range(B)], np.zeros(B, dtype=np.int64)
-        last = xp.full((B, 1), model.cfg.bos_id, dtype=src.dtype)
+        last = xp.full((B * g, 1), model.cfg.bos_id, dtype=src.dtype)
         t = 0
         while len(alive):
             logits = model.next_scores(last, state)  # (rows, V), overwritten below

@@ -148,8 +148,8 @@ class Trainer:
 
     # ---- set-up --------------------------------------------------------------------------
     def _prepare_data(self):
-        """Corpus files, the sentencepiece model (trained on the first run), the training
-        batches (with subword sampling when asked) and the validation set."""
+        """Corpus files, the sentencepiece model (trained on the first run) and the training
+        pairs, tokenized (batched later, by _make_batches)."""
         a = self.args
         self._find_corpus()
         src, tgt, stats = read_parallel(*self.files[a.train_split])
@@ -227,8 +227,9 @@ class Trainer:
         src_ids, tgt_ids, _, _ = self._train
         pairs = [(s, t) for s, t in zip(src_ids, tgt_ids)
                  if len(s) < a.max_len and len(t) < a.max_len]  # (as Batches keeps them)
-        if not pairs:
-            return  # (Batches reports that every pair is too long)
+        if not pairs:  # (Batches then reports that every pair is too long)
+            a.max_tokens = memfit.LOW
+            return
         share = self.comm.shard if self.comm else (lambda batch: batch)
         tokens, probes = memfit.fit_max_tokens(
             lambda batch: memfit.step_peak(self.model, self.optim, share(batch), self.cfg,
@@ -318,8 +319,10 @@ class Trainer:
         self.model.rng.set_state(meta["rng"])
         if self.scaler is not None and "loss_scale" in meta:
             self.scaler.load_state_dict(meta["loss_scale"])
-        if self.plan is not None and "plan" in meta:  # (else: planned from here on)
+        if self.plan is not None and "plan" in meta:
             self.plan.load_state_dict(meta["plan"])
+        elif self.plan is not None:  # (a run from before plans: planned from here on, its
+            self.plan.warmup_share = None  # warm-up as it was)
 
     # ---- training ------------------------------------------------------------------------
     def lr_at(self, update):

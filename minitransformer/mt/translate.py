@@ -20,7 +20,8 @@ from .data import DataError, read_lines
 from .ranges import add_number
 from .rundir import RunDir
 from .tokenizer import Tokenizer
-from .translation import corpus_bleu, cpu_count, max_source_tokens, translate_lines
+from .translation import (WorkerDied, corpus_bleu, cpu_count, max_source_tokens,
+                          translate_lines)
 
 USER_ERROR = 2     # a flag, a file or the run directory is wrong: the message says what to do
 MACHINE_ERROR = 1  # the machine could not finish: out of memory, output not writable
@@ -316,6 +317,9 @@ def main(argv=None):
     except MemoryError:  # NumPy's, or CuPy's OutOfMemoryError (a MemoryError)
         _error(f"out of memory; lower --max-tokens (now {args.max_tokens}) or --beam (now "
                f"{args.beam}), or translate on another device" if args else "out of memory")
+        return MACHINE_ERROR
+    except WorkerDied as exc:  # (the kernel killed it, most likely for its memory)
+        _error(str(exc))
         return MACHINE_ERROR
     except BrokenPipeError:  # the reader of our output is gone: stop quietly, as `cat` does
         _stdout_to_devnull()

@@ -124,7 +124,10 @@ def translate_in_workers(model, src_ids, workers, max_tokens, search):
     WorkerDied; on any error or Ctrl-C (which workers ignore) the others are terminated."""
     import multiprocessing
     from multiprocessing.connection import wait
+
+    import threadpoolctl  # noqa: F401  (imported before forking: a worker fails only in work)
     order = sorted((i for i, s in enumerate(src_ids) if s), key=lambda i: len(src_ids[i]))
+    workers = max(1, min(workers, len(order)))
     shares = [order[w::workers] for w in range(workers)]
     threads = max(1, cpu_count() // workers)
     ctx = multiprocessing.get_context("fork")
@@ -143,11 +146,12 @@ def translate_in_workers(model, src_ids, workers, max_tokens, search):
                 w, proc = procs.pop(receive)
                 try:
                     ok, value = receive.recv()
-                except EOFError:
+                except (EOFError, OSError):  # (died before or while sending)
                     proc.join()
                     raise WorkerDied(f"translation worker {w + 1} of {workers} ended without "
                                      f"its output (exit code {proc.exitcode}); if memory ran "
                                      "out, lower --max-tokens or --workers") from None
+                proc.join()
                 if not ok:
                     raise value
                 results[w] = value
@@ -175,7 +179,12 @@ def _worker(send, model, seqs, max_tokens, search, threads):
         result = (True, translate_ids(model, seqs, max_tokens=max_tokens, **search))
     except BaseException as exc:  # (sent to the parent, which raises it)
         result = (False, exc)
-    send.send(result)
+    try:
+        send.send(result)
+    except Exception:  # an exception that does not pickle: its text instead
+        import traceback
+        send.send((False, RuntimeError("in a translation worker: " +
+                                       "".join(traceback.format_exception(result[1])))))
     send.close()
 
 
