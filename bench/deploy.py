@@ -165,8 +165,8 @@ def report(args, results, lines, refs, what, corpus_bleu):
         json.dump(raw, f, indent=1)
     with open(args.results if not args.label else stem + ".md", "w") as f:
         workers = args.workers or args.threads
-        f.write(f"{args.label or 'run'}: {what}; {args.threads} cores (ours: {workers} "
-                f"process(es) x {max(1, args.threads // workers)} BLAS thread(s)); "
+        f.write(f"{args.label or 'run'}: {what}; {args.threads} threads (ours: {workers} "
+                f"process(es), each with cores / {workers} BLAS threads); "
                 f"{platform.processor() or platform.machine()}\n\n{text}\n")
 
 
