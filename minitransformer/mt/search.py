@@ -2,8 +2,9 @@
 
 Both run the decoder incrementally through the model's own modules (nn/decoder_state.py says
 what is carried): at step t only the newest token is fed, under no_grad, so no tape is built.
-Each decoder layer writes this step's self-attention keys/values into buffers allocated for
-the longest output (one product with [W_q W_k W_v] gives q, k and v); the encoder-decoder
+Each decoder layer writes this step's self-attention keys/values into buffers allocated
+ahead (for the longest output, within 32 MiB, doubled if outgrown; one product with
+[W_q W_k W_v] gives q, k and v); the encoder-decoder
 keys/values are computed once per sentence, and a sentence's beams attend to them as one
 block of queries; the source mask is built once per batch. Sentences that finish leave the
 batch: the last ones move into their places (``compacted``), so the remaining ones run on
