@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from minitransformer.mt.data import split_batch
+from minitransformer.mt.translation import length_batches
 from minitransformer.mt.translation import pad_batch as pad  # (B, L) int64, padded
 
 # The benchmark models. All use the paper's recipe: post-norm, shared embeddings scaled by
@@ -102,18 +103,9 @@ def decode_batches(n_sentences, V, seed, max_tokens=4096, pad_id=0, eos_id=3):
     """Source sentences for decoding, batched as ``mt.translation.translate_ids`` does: sorted
     by length, at most ``max_tokens`` padded source tokens a batch, EOS appended.
     -> list of (B, S) int64 arrays."""
-    srcs = sorted((x for x, _ in synthetic_pairs(n_sentences, V, seed)), key=len)
-    out, start = [], 0
-    while start < len(srcs):
-        end, longest = start, 0
-        while end < len(srcs):
-            nxt = max(longest, len(srcs[end]) + 1)
-            if end > start and nxt * (end - start + 1) > max_tokens:
-                break
-            longest, end = nxt, end + 1
-        out.append(pad([s + [eos_id] for s in srcs[start:end]], pad_id))
-        start = end
-    return out
+    srcs = [x for x, _ in synthetic_pairs(n_sentences, V, seed)]
+    return [pad([srcs[i] + [eos_id] for i in rows], pad_id)
+            for rows in length_batches(srcs, max_tokens)]
 
 
 def shard_rows(batch, rank, size, pad_id=0):
