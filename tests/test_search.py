@@ -212,3 +212,48 @@ def test_beam_search_with_a_vocabulary_smaller_than_twice_the_beam():
     out = beam_search(m, src, beam=5, max_len_a=3)
     assert len(out) == 3 and all(all(4 <= t < 7 for t in h) for h in out)
     assert beam_search(m, src, beam=1, max_len_a=3) == greedy_search(m, src, max_len_a=3)
+
+
+def test_candidate_rows_split_across_threads_give_the_same_numbers(monkeypatch):
+    # by_rows runs the search's whole-vocabulary work (top_m, the normaliser) on blocks of
+    # rows in threads: every row's tokens and log-probabilities equal one call's, bit for bit
+    from minitransformer.mt import search
+    from minitransformer.mt.search import by_rows, log_softmax_at, top_m
+    z = np.random.default_rng(5).standard_normal((37, 1000)).astype(np.float32) * 4
+
+    def select(rows):
+        best = top_m(np, rows, 8)
+        return best, log_softmax_at(np, rows, best)
+
+    want = select(z.copy())
+    monkeypatch.setattr(search, "MIN_BLOCK", 1)
+    for threads in (2, 3, 5):
+        monkeypatch.setattr(search, "cpu_threads", lambda: threads)
+        got = by_rows(np, select, z.copy())
+        assert search._pool["size"] >= threads
+        order = np.argsort(got[0], axis=1), np.argsort(want[0], axis=1)
+        np.testing.assert_array_equal(np.take_along_axis(got[0], order[0], 1),
+                                      np.take_along_axis(want[0], order[1], 1))
+        np.testing.assert_array_equal(np.take_along_axis(got[1], order[0], 1),
+                                      np.take_along_axis(want[1], order[1], 1))
+
+
+def test_beam_search_with_candidates_in_threads_equals_one_thread(monkeypatch):
+    from minitransformer.mt import search
+    cfg = TransformerConfig(vocab_size=300, d_model=16, n_heads=2, d_ff=32, n_layers=2,
+                            dropout=0.0)
+    m = Transformer(cfg, seed=4)
+    src = np.random.default_rng(17).integers(4, 300, (9, 7))
+    src[3, 5:] = 0
+    monkeypatch.setattr(search, "cpu_threads", lambda: 1)
+    one = search.beam_search(m, src, beam=4, max_len_a=6, return_all=True)
+    monkeypatch.setattr(search, "cpu_threads", lambda: 2)
+    monkeypatch.setattr(search, "MIN_BLOCK", 1)
+    assert search.beam_search(m, src, beam=4, max_len_a=6, return_all=True) == one
+
+
+def test_cpu_threads_follows_the_blas_thread_limit():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from minitransformer.mt.search import cpu_threads
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        assert cpu_threads() == 1

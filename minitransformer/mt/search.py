@@ -29,6 +29,8 @@ output then fit the decoder's positions, so a long source never runs decoding pa
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -191,6 +193,42 @@ def log_softmax_at(xp, z, cols):
     return picked
 
 
+# Row blocks smaller than this many scores are not worth a thread (a hand-off costs ~50 us).
+MIN_BLOCK = 1 << 18
+_pool = {"pid": None, "executor": None, "size": 0, "blas": None}
+
+
+def cpu_threads():
+    """The threads NumPy's BLAS runs with (threadpoolctl reads it from the library, so it
+    follows ``threadpool_limits`` and OPENBLAS_NUM_THREADS); 1 when it cannot tell."""
+    if _pool["blas"] is None:
+        import threadpoolctl
+        _pool["blas"] = threadpoolctl.ThreadpoolController().select(user_api="blas")
+    return max([1] + [lib.num_threads for lib in _pool["blas"].lib_controllers])
+
+
+def by_rows(xp, fn, z):
+    """fn(z) for z (R, V) whose rows are independent -> fn's tuple of (R, ...) arrays, with
+    the rows split into blocks run by as many threads as the BLAS has (NumPy releases the
+    GIL inside its loops, so the blocks run at once). The search's work on the whole
+    vocabulary (top_m, exp and sums over every score) otherwise runs on one core while
+    the products around it use them all. Each row's numbers are computed exactly as in
+    one call (nothing is summed across rows). CuPy arrays, one thread or a small z: one
+    call."""
+    R, V = z.shape
+    blocks = min(cpu_threads(), R, R * V // MIN_BLOCK) if xp is np else 1
+    if blocks <= 1:
+        return fn(z)
+    if _pool["pid"] != os.getpid() or _pool["size"] < blocks:
+        # (a pool's threads do not survive a fork: translate.py's workers make their own)
+        if _pool["pid"] == os.getpid():
+            _pool["executor"].shutdown(wait=False)
+        _pool.update(pid=os.getpid(), executor=ThreadPoolExecutor(blocks), size=blocks)
+    edges = [R * i // blocks for i in range(blocks + 1)]
+    parts = list(_pool["executor"].map(fn, [z[a:b] for a, b in zip(edges, edges[1:])]))
+    return tuple(np.concatenate(arrays) for arrays in zip(*parts))
+
+
 def compacted(keep):
     """The sentences to keep (bool (n,)) in their new order -> int array: each kept sentence
     at or after the new end moves into the place of one that leaves before it, so only
@@ -237,10 +275,15 @@ def _best_candidates(xp, logits, scores, slot, k, cfg):
     # among the 2k best tokens of its own beam, so those are found first, on the device and
     # in the model's precision, and only they are normalised; n*g*2k numbers come back.
     m = min(2 * k, V)
-    forbidden = logits[:, [cfg.pad_id, cfg.bos_id]]  # (a copy)
-    best = top_m(xp, _forbid(logits, cfg), m)  # (n*g, m), any order
-    logits[:, [cfg.pad_id, cfg.bos_id]] = forbidden  # they still count in the normaliser
-    best_lp = to_numpy(log_softmax_at(xp, logits, best)).astype(np.float64)
+
+    def select(z):  # rows z (r, V) -> their m best tokens and log-probabilities
+        forbidden = z[:, [cfg.pad_id, cfg.bos_id]]  # (a copy)
+        best = top_m(xp, _forbid(z, cfg), m)  # (r, m), any order
+        z[:, [cfg.pad_id, cfg.bos_id]] = forbidden  # they still count in the normaliser
+        return best, log_softmax_at(xp, z, best)
+
+    best, best_lp = by_rows(xp, select, logits)
+    best_lp = to_numpy(best_lp).astype(np.float64)
     rows = (np.arange(n)[:, None] * g + slot).reshape(-1)  # hypothesis order
     best, best_lp = to_numpy(best)[rows].reshape(n, g * m), best_lp[rows]
     cand = (scores[:, :, None] + best_lp.reshape(n, g, m)).reshape(n, g * m)
