@@ -228,7 +228,7 @@ def test_candidate_rows_split_across_threads_give_the_same_numbers(monkeypatch):
     want = select(z.copy())
     monkeypatch.setattr(search, "MIN_BLOCK", 1)
     for threads in (2, 3, 5):
-        monkeypatch.setattr(search, "cpu_threads", lambda: threads)
+        monkeypatch.setattr(search, "cpu_threads", lambda n=threads: n)
         got = by_rows(np, select, z.copy())
         assert search._pool["size"] >= threads
         order = np.argsort(got[0], axis=1), np.argsort(want[0], axis=1)
