@@ -328,7 +328,11 @@ class Comm:
 
     def local_size(self):
         """The ranks on this machine (sharing its memory)."""
-        return self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED).Get_size()
+        local = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED)
+        try:
+            return local.Get_size()
+        finally:
+            local.Free()  # (a communicator holds MPI resources until freed)
 
     def agree_to_stop(self, elapsed, signum):
         """One decision for all ranks, taken before each update: -> (rank 0's ``elapsed``
