@@ -149,6 +149,9 @@ def test_top_m_finds_the_m_largest_of_each_row(xp, V, m):
     x[3, :: max(1, V // (m - 1))][: m - 1] = 1.0
     got = to_numpy(top_m(xp, xp.asarray(x), m))
     assert got.shape == (12, m)
+    again, row_max = top_m(xp, xp.asarray(x), m, with_max=True)
+    assert (to_numpy(again) == got).all()
+    np.testing.assert_array_equal(to_numpy(row_max), x.max(axis=1, keepdims=True))
     want = np.argsort(-x, axis=1, kind="stable")[:, :m]
     assert ((0 <= got) & (got < V)).all() and all(len(set(row)) == m for row in got.tolist())
     for r in range(12):

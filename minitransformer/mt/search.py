@@ -57,8 +57,9 @@ def _forbid(scores, cfg):
     return scores
 
 
-def top_m(xp, x, m, groups_of=32):
-    """Column indices (R, m) of the m largest entries of each row of x (R, V), in any order.
+def top_m(xp, x, m, groups_of=32, with_max=False):
+    """Column indices (R, m) of the m largest entries of each row of x (R, V), in any order
+    (``with_max``: and each row's largest entry, (R, 1), which the groups give for free).
 
     The columns are split into G = ceil(V / groups_of) groups, group g holding columns
     g, g + G, g + 2G, ...; a row's m largest entries all lie in its m groups with the largest
@@ -70,7 +71,8 @@ def top_m(xp, x, m, groups_of=32):
     R, V = x.shape
     G = -(-V // groups_of)
     if G <= m:  # a small vocabulary: select directly
-        return xp.argpartition(x, V - m, axis=1)[:, V - m:]
+        top = xp.argpartition(x, V - m, axis=1)[:, V - m:]
+        return (top, x.max(axis=1, keepdims=True)) if with_max else top
     padded = x
     if G * groups_of != V:  # pad to whole groups with -inf
         padded = xp.concatenate([x, xp.full((R, G * groups_of - V), -xp.inf, x.dtype)], 1)
@@ -85,7 +87,7 @@ def top_m(xp, x, m, groups_of=32):
     short = (top >= V).any(axis=1)
     if bool(short.any()):
         top[short] = xp.argpartition(x[short], V - m, axis=1)[:, V - m:]
-    return top
+    return (top, group_max.max(axis=1, keepdims=True)) if with_max else top
 
 
 def output_limits(model: Transformer, src: Any, max_len_a: int) -> np.ndarray:
@@ -181,11 +183,12 @@ def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
         return _best_first(finished, return_all)
 
 
-def log_softmax_at(xp, z, cols):
+def log_softmax_at(xp, z, cols, zmax=None):
     """log_softmax(z) (engine/softmax.py) at the columns ``cols`` (R, m) of z (R, V) only:
     the same float operations on those entries, (z - max) - log(sum(exp(z - max))), without
-    writing out the other V - m. z is overwritten (exp(z - max))."""
-    m = z.max(axis=-1, keepdims=True)
+    writing out the other V - m. z is overwritten (exp(z - max)). ``zmax``: each row's
+    largest entry (R, 1), when the caller has it (one pass over z fewer)."""
+    m = z.max(axis=-1, keepdims=True) if zmax is None else zmax
     picked = xp.take_along_axis(z, cols, 1) - m
     z -= m
     xp.exp(z, out=z)
@@ -278,9 +281,10 @@ def _best_candidates(xp, logits, scores, slot, k, cfg):
 
     def select(z):  # rows z (r, V) -> their m best tokens and log-probabilities
         forbidden = z[:, [cfg.pad_id, cfg.bos_id]]  # (a copy)
-        best = top_m(xp, _forbid(z, cfg), m)  # (r, m), any order
+        best, zmax = top_m(xp, _forbid(z, cfg), m, with_max=True)  # (r, m), any order
         z[:, [cfg.pad_id, cfg.bos_id]] = forbidden  # they still count in the normaliser
-        return best, log_softmax_at(xp, z, best)
+        zmax = xp.maximum(zmax, forbidden.max(axis=1, keepdims=True))
+        return best, log_softmax_at(xp, z, best, zmax)
 
     best, best_lp = by_rows(xp, select, logits)
     best_lp = to_numpy(best_lp).astype(np.float64)
