@@ -13,7 +13,8 @@ sentence (there is one hypothesis), the others ``beam``; a hypothesis stays in t
 the one it extends when it is the first to extend it (``_place_beams``), so few histories
 are copied. The search reads back only what it decides on: greedy, the argmax of each row;
 beam search, the 2 * beam best tokens of each beam, normalised to log-probabilities only
-there (``log_softmax_at``).
+there (``log_softmax_at``). That work over the whole vocabulary runs on blocks of rows in as
+many threads as the BLAS has (``by_rows``), as the products before it do.
 
 Beam search keeps ``beam`` hypotheses per sentence, ranked by their summed log-probability;
 finished ones are ranked by the GNMT-normalised score  log P(Y|X) / lp(Y) with
