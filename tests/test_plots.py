@@ -193,3 +193,47 @@ def test_curves_errors_name_the_file(tmp_path, capsys):
     assert plots.main(["--metrics", str(missing), "--output", str(tmp_path / "c.png")]) == 2
     assert f"error: {missing}: no such metrics file" in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists()
+
+
+# ----------------------------------------------------------------------------- budgets
+
+def _budget_run(root, name, minutes, test_bleu=None):
+    run = root / name
+    run.mkdir()
+    records = [{"update": u, "valid_loss": 3.0, "valid_bleu": b, "time": 60.0 * m}
+               for u, b, m in ((100, 5.0, minutes / 3), (200, 9.0, 2 * minutes / 3),
+                               (300, 11.0, minutes))]
+    if test_bleu is not None:
+        records.append({"update": 300, "test_split": "test2016", "test_bleu": test_bleu,
+                        "test_signature": "nrefs:1", "test_checkpoints": "average of 5",
+                        "beam": 4, "alpha": 1.4, "time": 60.0 * minutes})
+    write_metrics(run / "metrics.jsonl", records)
+    return str(run)
+
+
+def test_plot_budgets_draws_bleu_against_minutes(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    runs = [_budget_run(tmp_path, "m15", 15, 30.5), _budget_run(tmp_path, "m30", 30, 35.0),
+            _budget_run(tmp_path, "unscored", 20)]
+    assert plots.read_test(os.path.join(runs[1], "metrics.jsonl"))["test_bleu"] == 35.0
+    assert plots.read_test(os.path.join(runs[2], "metrics.jsonl")) is None
+    out = tmp_path / "pics" / "budgets.png"
+    assert plots.main(["--runs", *runs, "--output", str(out)]) == 0
+    assert is_png(out) and out.stat().st_size > 5000
+    assert f"wrote {out}" in capsys.readouterr().out
+    missing = str(tmp_path / "nope")
+    assert plots.main(["--runs", runs[0], missing, "--output", str(tmp_path / "b.png")]) == 2
+    assert f"{missing}/metrics.jsonl: no such metrics file" in capsys.readouterr().err
+
+
+def test_train_logs_its_test_score_for_the_budget_plot(tmp_path):
+    from minitransformer.mt import train as train_cli
+    run = str(tmp_path / "run")
+    assert train_cli.main(["--synthetic-pairs", "1500", "--d-model", "32", "--n-heads", "2",
+                           "--d-ff", "64", "--max-tokens", "600", "--vocab-size", "120",
+                           "--no-progress", "--warmup", "50", "--valid-bleu-sentences", "20",
+                           "--max-updates", "20", "--run-dir", run, "--beam", "2"]) == 0
+    test = plots.read_test(os.path.join(run, "metrics.jsonl"))
+    assert test["test_split"] == "test" and test["beam"] == 2 and test["update"] == 20
+    assert 0.0 <= test["test_bleu"] <= 100.0 and "nrefs:1" in test["test_signature"]
+    assert test["time"] > 0

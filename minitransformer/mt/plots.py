@@ -2,6 +2,7 @@
 
     python -m minitransformer.mt.plots --run-dir runs/ende              # -> runs/ende/curves.png
     python -m minitransformer.mt.plots --metrics runs/ende/metrics.jsonl --output curves.png
+    python -m minitransformer.mt.plots --runs runs/m15 runs/m30 runs/m60 --output budgets.png
     python translate.py --run-dir runs/ende --input some.en --plot-attention attn/
 
 matplotlib is optional (``pip install -e .[plot]``). Figures are drawn on matplotlib's
@@ -100,6 +101,57 @@ def plot_curves(metrics_path, out_png):
     for ax in (ax_loss, ax_bleu):
         ax.grid(alpha=0.3)
     fig.suptitle(metrics_path, fontsize=9)
+    fig.tight_layout()
+    if os.path.dirname(os.path.abspath(out_png)):
+        os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return out_png
+
+
+def read_test(path):
+    """The test score train.py logged at the end of a run (the last record with
+    "test_bleu": split, BLEU, signature, checkpoints, beam, alpha, training seconds), or
+    None for a run that has not been scored."""
+    test = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if '"test_bleu"' in line:
+                try:
+                    test = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+    return test
+
+
+def plot_budgets(run_dirs, out_png):
+    """BLEU against minutes of training for runs of different --max-time budgets -> out_png:
+    each run's validation BLEU (greedy) as it trained, and its test BLEU (train.py's final
+    score) at the minute its training ended, the test scores joined across the runs."""
+    fig = _figure(8, 4.5)
+    ax = fig.subplots()
+    ends = []
+    for i, run in enumerate(run_dirs):
+        path = os.path.join(run, "metrics.jsonl")
+        _, valid = read_metrics(path)
+        test = read_test(path)
+        name = os.path.basename(os.path.normpath(run))
+        ax.plot([r["time"] / 60 for r in valid if "time" in r],
+                [r.get("valid_bleu", math.nan) for r in valid if "time" in r], "o-", ms=3,
+                lw=1, color=f"C{i}", alpha=0.6, label=f"{name}: validation (greedy)")
+        if test is not None:
+            minutes = test["time"] / 60
+            ends.append((minutes, test["test_bleu"]))
+            ax.plot([minutes], [test["test_bleu"]], "*", ms=12, color=f"C{i}",
+                    label=f"{name}: {test['test_split']} {test['test_bleu']:.1f} "
+                          f"(beam {test['beam']}, {minutes:.0f} min)")
+            ax.annotate(f"{test['test_bleu']:.1f}", (minutes, test["test_bleu"]),
+                        textcoords="offset points", xytext=(6, -12), fontsize=8)
+    if len(ends) > 1:
+        ends.sort()
+        ax.plot([m for m, _ in ends], [b for _, b in ends], "k--", lw=0.8)
+    ax.set(xlabel="minutes of training", ylabel="BLEU", title="BLEU against training time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     if os.path.dirname(os.path.abspath(out_png)):
         os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
@@ -235,16 +287,26 @@ def plot_attention(model, tokenizer, lines, out_dir, max_sentences=MAX_SENTENCES
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minitransformer.mt.plots",
                                 description="Plot training and validation loss and validation "
-                                            "BLEU of a run against updates.")
+                                            "BLEU of a run against updates; or, with --runs, "
+                                            "the BLEU of several runs against minutes.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--metrics", help="a run's metrics.jsonl")
     src.add_argument("--run-dir", help="a training run directory (reads RUN_DIR/metrics.jsonl)")
-    p.add_argument("--output", help="PNG to write (default: curves.png next to metrics.jsonl)")
+    src.add_argument("--runs", nargs="+", metavar="RUN_DIR",
+                     help="run directories (say, one per --max-time budget): validation and "
+                          "test BLEU against minutes of training")
+    p.add_argument("--output", help="PNG to write (default: curves.png next to metrics.jsonl; "
+                                    "with --runs, budgets.png here)")
     args = p.parse_args(argv)
-    metrics = args.metrics or os.path.join(args.run_dir, "metrics.jsonl")
-    out = args.output or os.path.join(os.path.dirname(os.path.abspath(metrics)), "curves.png")
     try:
-        plot_curves(metrics, out)
+        if args.runs:
+            out = args.output or "budgets.png"
+            plot_budgets(args.runs, out)
+        else:
+            metrics = args.metrics or os.path.join(args.run_dir, "metrics.jsonl")
+            out = args.output or os.path.join(os.path.dirname(os.path.abspath(metrics)),
+                                              "curves.png")
+            plot_curves(metrics, out)
     except PlotError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

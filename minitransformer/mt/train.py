@@ -575,6 +575,12 @@ class Trainer:
         atomic_write_text(out, "".join(h + "\n" for h in hyps))
         print(f"test ({split}, {len(src)} sentences, {what}, beam {a.beam}, "
               f"{time.perf_counter() - t0:.1f} s): BLEU = {bleu:.2f}  {sig}", flush=True)
+        # the score beside the learning curves (mt/plots.py draws it against training time)
+        with open(self.rd.metrics, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"update": self.update, "test_split": split, "test_bleu": bleu,
+                                "test_signature": sig, "test_checkpoints": what,
+                                "beam": a.beam, "alpha": a.alpha,
+                                "time": self.train_time}) + "\n")
         return bleu
 
 
