@@ -215,7 +215,7 @@ def test_beam_search_with_a_vocabulary_smaller_than_twice_the_beam():
 
 
 def test_candidate_rows_split_across_threads_give_the_same_numbers(monkeypatch):
-    # by_rows runs the search's whole-vocabulary work (top_m, the normaliser) on blocks of
+    # by_rows runs the search's whole-vocabulary work (top_m, the normaliser) on chunks of
     # rows in threads: every row's tokens and log-probabilities equal one call's, bit for bit
     from minitransformer.mt import search
     from minitransformer.mt.search import by_rows, log_softmax_at, top_m
@@ -227,10 +227,13 @@ def test_candidate_rows_split_across_threads_give_the_same_numbers(monkeypatch):
 
     want = select(z.copy())
     monkeypatch.setattr(search, "MIN_BLOCK", 1)
-    for threads in (2, 3, 5):
+    for threads, chunk_bytes in ((1, 12_000), (2, 1 << 19), (3, 1), (5, 12_000)):
+        # chunks of 3 rows (12,000 bytes of 4,000-byte rows), all 37 rows in one, or 1 row
         monkeypatch.setattr(search, "cpu_threads", lambda n=threads: n)
+        monkeypatch.setattr(search, "CHUNK_BYTES", chunk_bytes)
         got = by_rows(np, select, z.copy())
-        assert search._pool["size"] >= threads
+        if chunk_bytes == 1:
+            assert search._pool["size"] >= threads  # (the chunks went to the threads)
         order = np.argsort(got[0], axis=1), np.argsort(want[0], axis=1)
         np.testing.assert_array_equal(np.take_along_axis(got[0], order[0], 1),
                                       np.take_along_axis(want[0], order[1], 1))
@@ -249,6 +252,7 @@ def test_beam_search_with_candidates_in_threads_equals_one_thread(monkeypatch):
     one = search.beam_search(m, src, beam=4, max_len_a=6, return_all=True)
     monkeypatch.setattr(search, "cpu_threads", lambda: 2)
     monkeypatch.setattr(search, "MIN_BLOCK", 1)
+    monkeypatch.setattr(search, "CHUNK_BYTES", 3 * 300 * 4)  # chunks of 3 rows
     assert search.beam_search(m, src, beam=4, max_len_a=6, return_all=True) == one
 
 

@@ -13,8 +13,8 @@ sentence (there is one hypothesis), the others ``beam``; a hypothesis stays in t
 the one it extends when it is the first to extend it (``_place_beams``), so few histories
 are copied. The search reads back only what it decides on: greedy, the argmax of each row;
 beam search, the 2 * beam best tokens of each beam, normalised to log-probabilities only
-there (``log_softmax_at``). That work over the whole vocabulary runs on blocks of rows in as
-many threads as the BLAS has (``by_rows``), as the products before it do.
+there (``log_softmax_at``). That work over the whole vocabulary runs on chunks of rows that
+stay in cache, in as many threads as the BLAS has (``by_rows``), as the products do.
 
 Beam search keeps ``beam`` hypotheses per sentence, ranked by their summed log-probability;
 finished ones are ranked by the GNMT-normalised score  log P(Y|X) / lp(Y) with
@@ -199,6 +199,9 @@ def log_softmax_at(xp, z, cols, zmax=None):
 
 # Row blocks smaller than this many scores are not worth a thread (a hand-off costs ~50 us).
 MIN_BLOCK = 1 << 18
+# by_rows hands fn chunks of rows of about this many bytes: fn's passes over a chunk (the
+# group maxima, subtract, exp, sum) then find it in the core's L2 cache, not in memory.
+CHUNK_BYTES = 1 << 19
 _pool = {"pid": None, "executor": None, "size": 0, "blas": None}
 
 
@@ -212,24 +215,38 @@ def cpu_threads():
 
 
 def by_rows(xp, fn, z):
-    """fn(z) for z (R, V) whose rows are independent -> fn's tuple of (R, ...) arrays, with
-    the rows split into blocks run by as many threads as the BLAS has (NumPy releases the
-    GIL inside its loops, so the blocks run at once). The search's work on the whole
-    vocabulary (top_m, exp and sums over every score) otherwise runs on one core while
-    the products around it use them all. Each row's numbers are computed exactly as in
-    one call (nothing is summed across rows). CuPy arrays, one thread or a small z: one
-    call."""
+    """fn(z) for z (R, V) whose rows are independent -> fn's tuple of (R, ...) arrays.
+
+    On NumPy, fn runs on chunks of rows of about CHUNK_BYTES, each small enough to stay in
+    a core's cache through fn's several passes over it, and the chunks are shared among as
+    many threads as the BLAS has (NumPy releases the GIL inside its loops, so they run at
+    once): the search's work on the whole vocabulary (top_m, exp and sums over every
+    score) otherwise streams the scores from memory several times, on one core, while the
+    products around it use them all. Each row's numbers are those of one call on all of z
+    (nothing is summed across rows). CuPy arrays: one call."""
     R, V = z.shape
-    blocks = min(cpu_threads(), R, R * V // MIN_BLOCK) if xp is np else 1
-    if blocks <= 1:
+    if xp is not np:
         return fn(z)
-    if _pool["pid"] != os.getpid() or _pool["size"] < blocks:
-        # (a pool's threads do not survive a fork: translate.py's workers make their own)
-        if _pool["pid"] == os.getpid():
-            _pool["executor"].shutdown(wait=False)
-        _pool.update(pid=os.getpid(), executor=ThreadPoolExecutor(blocks), size=blocks)
-    edges = [R * i // blocks for i in range(blocks + 1)]
-    parts = list(_pool["executor"].map(fn, [z[a:b] for a, b in zip(edges, edges[1:])]))
+    step = max(1, CHUNK_BYTES // max(1, V * z.itemsize))
+    chunks = [(a, min(a + step, R)) for a in range(0, R, step)]
+    threads = min(cpu_threads(), len(chunks), R * V // MIN_BLOCK)
+
+    def run(part):
+        return [fn(z[a:b]) for a, b in part]
+
+    if threads <= 1:
+        parts = run(chunks)
+    else:
+        if _pool["pid"] != os.getpid() or _pool["size"] < threads:
+            # (a pool's threads do not survive a fork: translate.py's workers make their own)
+            if _pool["pid"] == os.getpid():
+                _pool["executor"].shutdown(wait=False)
+            _pool.update(pid=os.getpid(), executor=ThreadPoolExecutor(threads), size=threads)
+        edges = [len(chunks) * i // threads for i in range(threads + 1)]
+        groups = [chunks[a:b] for a, b in zip(edges, edges[1:])]
+        parts = [out for group in _pool["executor"].map(run, groups) for out in group]
+    if len(parts) == 1:
+        return parts[0]
     return tuple(np.concatenate(arrays) for arrays in zip(*parts))
 
 
