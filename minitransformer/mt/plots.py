@@ -50,15 +50,10 @@ def _figure(width, height, layout=None):
 
 # ----------------------------------------------------------------------------- learning curves
 
-def read_metrics(path):
-    """metrics.jsonl -> (train, valid): lists of records sorted by update.
-
-    Training records have "loss"; validation records have "valid_loss" and "valid_bleu". A
-    resumed run may log an update twice; the later record wins.
-    """
+def _records(path):
+    """The JSON records of a metrics.jsonl, in order (blank lines skipped)."""
     if not os.path.isfile(path):
         raise PlotError(f"{path}: no such metrics file (train.py writes RUN_DIR/metrics.jsonl)")
-    train, valid = {}, {}
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -67,12 +62,22 @@ def read_metrics(path):
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise PlotError(f"{path}, line {number}: not JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or "update" not in rec:
-                continue
-            if "loss" in rec:
-                train[rec["update"]] = rec
-            if "valid_loss" in rec:
-                valid[rec["update"]] = rec
+            if isinstance(rec, dict) and "update" in rec:
+                yield rec
+
+
+def read_metrics(path):
+    """metrics.jsonl -> (train, valid): lists of records sorted by update.
+
+    Training records have "loss"; validation records have "valid_loss" and "valid_bleu". A
+    resumed run may log an update twice; the later record wins.
+    """
+    train, valid = {}, {}
+    for rec in _records(path):
+        if "loss" in rec:
+            train[rec["update"]] = rec
+        if "valid_loss" in rec:
+            valid[rec["update"]] = rec
     if not train and not valid:
         raise PlotError(f"{path}: no training or validation records (is the file empty, or "
                         "did the run stop before its first logged update?)")
@@ -112,15 +117,8 @@ def read_test(path):
     """The test score train.py logged at the end of a run (the last record with
     "test_bleu": split, BLEU, signature, checkpoints, beam, alpha, training seconds), or
     None for a run that has not been scored."""
-    test = None
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if '"test_bleu"' in line:
-                try:
-                    test = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-    return test
+    tests = [rec for rec in _records(path) if "test_bleu" in rec]
+    return tests[-1] if tests else None
 
 
 def plot_budgets(run_dirs, out_png):
