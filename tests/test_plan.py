@@ -306,11 +306,18 @@ def test_an_unchosen_warmup_becomes_a_share_of_the_first_plan():
     feed(p, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
     n = p.total
     assert 900 < n < 1000 and p.warmup == round(0.12 * n)
+    # the peak is still the one of the default warm-up: a shorter one reaches it sooner
+    assert p.lr(p.warmup) == pytest.approx(noam_lr(4000, 64, 4000), rel=1e-12)
+    factor = math.sqrt(p.warmup / 4000)
     for step in range(p.warmup, n + 1, 7):
-        assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, p.warmup, n), rel=1e-12)
+        assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, p.warmup, n, factor),
+                                           rel=1e-12)
+    ramp = [p.lr(step) for step in range(plan.SKIP + plan.MEASURE + 2, p.warmup + 1)]
+    assert all(b > a for a, b in zip(ramp, ramp[1:])) and ramp[-1] == p.lr(p.warmup)
     copy = plan.DeadlinePlan(budget=1000.0, d_model=64, warmup=4000)
     copy.load_state_dict(json.loads(json.dumps(p.state_dict())))
-    assert copy.warmup == p.warmup and copy.lr(500) == p.lr(500)
+    assert copy.warmup == p.warmup and copy.factor == p.factor
+    assert [copy.lr(u) for u in (40, 80, 500)] == [p.lr(u) for u in (40, 80, 500)]
     # a chosen warm-up is kept
     q = plan.DeadlinePlan(budget=1000.0, d_model=64, warmup=4000)
     feed(q, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
@@ -335,5 +342,7 @@ def test_a_capped_first_plan_still_fits_the_warmup():
     p = plan.DeadlinePlan(budget=10_000.0, d_model=64, warmup=4000, cap=600, warmup_share=0.12)
     feed(p, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
     assert p.total == 600 and p.warmup == 72
+    factor = math.sqrt(72 / 4000)  # (the default warm-up's peak, reached at 72)
     for step in range(p.warmup, 601, 5):
-        assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, 72, 600), rel=1e-12)
+        assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, 72, 600, factor),
+                                           rel=1e-12)

@@ -286,15 +286,30 @@ def fill_defaults(args):
     if args.data is None:  # the default run: 90+ BLEU in about 5 minutes on 2 cores
         defaults = dict(vocab_size=1000, spm_type="bpe", warmup=300, max_updates=600,
                         valid_every=200)
-    else:
-        defaults = dict(vocab_size=8000, spm_type="unigram", warmup=4000, max_updates=0,
-                        valid_every=500)
+    else:  # (a run that sizes itself chooses its vocabulary from the corpus: autosize.py)
+        defaults = dict(vocab_size=None if sizes_itself(args) else 8000, spm_type="unigram",
+                        warmup=4000, max_updates=0, valid_every=500)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if (sizes_itself(args) and "subword_alpha" not in args.explicit
+            and args.spm_type == "unigram"):
+        from .autosize import SUBWORD_ALPHA
+        args.subword_alpha = SUBWORD_ALPHA
+    if sizes_itself(args) and "lr_factor" not in args.explicit:
+        from .autosize import LR_FACTOR
+        args.lr_factor = LR_FACTOR
     if (not args.resume and args.max_time > 0 and not args.max_updates
             and "lr_schedule" not in args.explicit):
         args.lr_schedule = "linear"  # a time budget: the decay planned to end with it
+
+
+def sizes_itself(args):
+    """True when a new run on --data with a time budget (--max-time) and no --preset chooses
+    the vocabulary, model, batch and subword regularization the flags leave open from the
+    corpus and the machine (mt/autosize.py)."""
+    return (args.data is not None and args.max_time > 0 and not args.resume
+            and "preset" not in args.explicit)
 
 
 def plans_to_deadline(args):

@@ -28,7 +28,11 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
 * **The warm-up**, when the user did not choose one (``warmup_share``, train.py: 12%, the
   Multi30k recipe's 500 of 4200 updates), becomes at most that share of the first plan's N
   (not less than the updates already made): the paper's 4000 would not fit a short budget.
-  Its ramp then continues from the first plan with the shorter warm-up's slope.
+  The peak stays the one the default warm-up and ``--lr-factor`` give: the factor is
+  scaled by sqrt(new / old warm-up) and saved with the plan. (Noam's peak grows as
+  1/sqrt(warm-up): runs of 900 updates whose warm-up shrank to 108 peaked at twice the
+  Multi30k recipe's rate, 4e-3 for d_model 256, and never learned.) The ramp continues
+  from the first plan with the shorter warm-up's slope.
 * **Re-planning** every ``CHECK_EVERY`` updates and after each validation: a new N from the
   time left and the current r. If it differs by more than 1% of the updates left, the
   schedule gets a new piece [u, lr(u), N'] starting from the rate of the last update, so the
@@ -138,7 +142,7 @@ class DeadlinePlan:
 
     def state_dict(self):
         keys = ("pieces", "total", "rate", "valid_s", "save_s", "measured", "last", "after",
-                "next_check", "warmup", "warmup_share")
+                "next_check", "warmup", "warmup_share", "factor")
         return {k: getattr(self, k) for k in keys}
 
     def load_state_dict(self, state):
@@ -186,6 +190,8 @@ class DeadlinePlan:
         warmup = self.warmup
         if first and self.warmup_share:  # (the warm-up was not chosen: fit it to the plan)
             self.warmup = max(update + 1, min(self.warmup, round(self.warmup_share * n)))
+            # the same peak, reached sooner: noam_lr's peak goes as factor / sqrt(warmup)
+            self.factor *= math.sqrt(self.warmup / warmup)
         if n != old or self.warmup != warmup:
             self._new_piece(update, n)
         self.total = n

@@ -23,13 +23,13 @@ from ..engine.tensor import no_grad
 from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_parameters
 from ..optim import Adam, DynamicLossScaler, LossScaleCollapse, linear_decay_lr, noam_lr
 from . import checkpoint as ckpt
-from . import memfit
+from . import autosize, memfit
 from .data import Batches, DataError, collate, overlong_pairs, read_parallel
 from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
 from .log import Log, StopSignals
 from .options import (MODEL_FLAGS, PROFILE_WARMUP, check_options, fill_defaults, parse_args,
-                      plans_to_deadline, restore_for_resume, run_options)
+                      plans_to_deadline, restore_for_resume, run_options, sizes_itself)
 from .plan import DeadlinePlan
 from .rundir import RunDir, RunDirBusy
 from .step import train_step
@@ -80,10 +80,15 @@ class Trainer:
         args = self.args
         self._open_run_dir()
         fill_defaults(args)
+        self.sizing = sizes_itself(args)
+        if self.sizing and "max_tokens" not in args.explicit:
+            args.max_tokens = autosize.CPU_TOKENS if self.device == "cpu" else "auto"
         check_options(args)
         self._prepare_data()
         self.cfg = self._model_config()
         self._prepare_valid()
+        if self.sizing:
+            self.cfg = self._choose_model()
         if args.max_tokens != "auto":
             self._make_batches()
         self._build_model()
@@ -153,6 +158,10 @@ class Trainer:
         a = self.args
         self._find_corpus()
         src, tgt, stats = read_parallel(*self.files[a.train_split])
+        if a.vocab_size is None:  # (a run that sizes itself: autosize.py)
+            a.vocab_size = autosize.vocab_size(stats["pairs"])
+            self._log_early(f"vocabulary for {stats['pairs']} training pairs: {a.vocab_size} "
+                            "pieces (about 6000 per 29,000 pairs, with the square root)")
         if self.main and not os.path.exists(self.rd.spm_model):
             self._log_early(f"training a joint sentencepiece model, vocabulary {a.vocab_size}")
             train_sentencepiece(list(self.files[a.train_split]),
@@ -198,6 +207,36 @@ class Trainer:
             return
         self.valid = (vs, vt)
         self._valid_ids = (src_ids, tgt_ids)
+
+    def _choose_model(self):
+        """A run that sizes itself: the largest model of autosize.LADDER that the corpus and
+        the time budget can feed, each candidate timed on this machine for a few updates on
+        the corpus's own batches (this rank's share under mpiexec; every rank takes the
+        smallest any rank chose). Flags given for the model still win over the rung."""
+        a = self.args
+        src_ids, tgt_ids, _, _ = self._train
+        tokens = a.max_tokens if a.max_tokens != "auto" else autosize.CPU_TOKENS
+        probe_batches = Batches(src_ids, tgt_ids, tokens, a.max_len, seed=a.seed)
+        corpus_tokens = sum(len(t) + 1 for t in tgt_ids)
+        per_update = corpus_tokens / len(probe_batches)
+        share = self.comm.shard if self.comm else (lambda batch: batch)
+        sample = [share(next(probe_batches)) for _ in range(autosize.PROBE_STEPS + 1)]
+        sample = [collate(b, self.cfg.pad_id, self.cfg.bos_id, self.cfg.eos_id)
+                  for b in sample if b]  # (a share may be empty: fewer pairs than ranks)
+        given = {k: getattr(a, k) for k in MODEL_FLAGS if k in a.explicit}
+
+        def measure(fields):
+            cfg = dataclasses.replace(self.cfg, **{**fields, **given})
+            model = Transformer(cfg, seed=a.seed, device=self.device)
+            optim = Adam(model.parameters(), lr=0.0, betas=tuple(a.adam_betas), eps=a.adam_eps)
+            seconds = autosize.probe(model, optim, sample)
+            return seconds, per_update, count_parameters(model)
+
+        index, notes = autosize.choose_model(corpus_tokens, a.max_time * 60, measure)
+        if self.comm:
+            index = self.comm.agree_min(index)
+        self._log_early(autosize.report(index, notes, corpus_tokens, a.max_time, given))
+        return dataclasses.replace(self.cfg, **{**autosize.LADDER[index], **given})
 
     def _make_batches(self):
         """The training batches (with subword sampling when asked) and the validation ones,
