@@ -305,7 +305,12 @@ def test_an_unchosen_warmup_becomes_a_share_of_the_first_plan():
     p = plan.DeadlinePlan(budget=1000.0, d_model=64, warmup=4000, warmup_share=0.12)
     feed(p, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
     n = p.total
-    assert 900 < n < 1000 and p.warmup == round(0.12 * n)
+    # 12% of N would be ~115 updates, too short (mt/plan.py): at least 500, at most 40% of N
+    assert 900 < n < 1000 and p.warmup == round(0.4 * n)
+    assert plan.fitted_warmup(n, 4000, 0.12) == p.warmup
+    assert plan.fitted_warmup(2000, 4000, 0.12) == 500
+    assert plan.fitted_warmup(10_000, 4000, 0.12) == 1200
+    assert plan.fitted_warmup(50_000, 4000, 0.12) == 4000  # never more than the default
     # the peak is still the one of the default warm-up: a shorter one reaches it sooner
     assert p.lr(p.warmup) == pytest.approx(noam_lr(4000, 64, 4000), rel=1e-12)
     factor = math.sqrt(p.warmup / 4000)
@@ -338,11 +343,11 @@ def test_a_time_budget_plans_the_schedule_by_default():
 
 def test_a_capped_first_plan_still_fits_the_warmup():
     # --max-updates caps the plan at 600 (the budget would allow more): the warm-up not
-    # chosen becomes 12% of 600, and the schedule is linear_decay_lr's with it
+    # chosen becomes 40% of 600, and the schedule is linear_decay_lr's with it
     p = plan.DeadlinePlan(budget=10_000.0, d_model=64, warmup=4000, cap=600, warmup_share=0.12)
     feed(p, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
-    assert p.total == 600 and p.warmup == 72
-    factor = math.sqrt(72 / 4000)  # (the default warm-up's peak, reached at 72)
+    assert p.total == 600 and p.warmup == 240
+    factor = math.sqrt(240 / 4000)  # (the default warm-up's peak, reached at 240)
     for step in range(p.warmup, 601, 5):
-        assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, 72, 600, factor),
+        assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, 240, 600, factor),
                                            rel=1e-12)
