@@ -21,10 +21,10 @@ itself"):
   more and smaller updates learned faster and the throughput hardly dropped); on a GPU,
   ``--max-tokens auto`` (the largest that fits, mt/memfit.py).
 * **Learning rate**: the warm-up fitted to the plan (mt/plan.py, ``fitted_warmup``: 12% of
-  the planned updates, at least 500 or 40% of a shorter plan) to the Multi30k recipe's peak, 2e-3 at d_model 256 (``--lr-factor 2`` with the default
-  warm-up of 4000 gives it, and the plan keeps the peak when it shortens the warm-up),
-  scaled with d_model^-0.5 as in the paper; and subword regularization
-  (``--subword-alpha 0.5``), as in the recipe.
+  the planned updates, at least 500 or 40% of a shorter plan), to the Multi30k recipe's
+  peak, 2e-3 at d_model 256 (``--lr-factor 2`` with the default warm-up of 4000 gives it,
+  and the plan keeps the peak when it shortens the warm-up), scaled with d_model^-0.5 as in
+  the paper; and subword regularization (``--subword-alpha 0.5``), as in the recipe.
 """
 import math
 import time
