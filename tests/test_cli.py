@@ -284,6 +284,26 @@ def test_train_translate_score_end_to_end(tmp_path):
     assert greedy.returncode == 0 and len(greedy.stdout.splitlines()) == 3
 
 
+def test_a_signal_during_the_closing_save_stops_with_its_status(tmp_path, monkeypatch):
+    # training has finished and checkpoint_last.npz is being written when SIGTERM arrives:
+    # the save completes, the run exits 128 + 15 (no test score), and nothing crashes
+    saved = []
+
+    def save_then_signal(self, *paths):
+        saved.extend(paths)
+        os.kill(os.getpid(), signal.SIGTERM)  # (StopSignals notes it: not fatal here)
+        return real_save(self, *paths)
+
+    real_save = train_cli.Trainer.save
+    monkeypatch.setattr(train_cli.Trainer, "save", save_then_signal)
+    run = tmp_path / "run"
+    status = train_cli.main([*SMALL, "--run-dir", str(run), "--max-updates", "4",
+                             "--valid-every", "100000"])
+    assert status == 128 + signal.SIGTERM
+    assert saved and (run / "checkpoint_last.npz").exists()
+    assert ckpt.load_checkpoint(str(run / "checkpoint_last.npz"))[2]["update"] == 4
+
+
 def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     run = str(tmp_path / "run")
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, "--run-dir", run,

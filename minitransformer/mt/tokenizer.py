@@ -76,14 +76,24 @@ def _training_files(input_files):
     return input_files
 
 
+class VocabTooLarge(DataError):
+    """More pieces asked for than sentencepiece can make from the text; ``limit``: the most
+    it can."""
+
+    def __init__(self, message, limit):
+        super().__init__(message)
+        self.limit = limit
+
+
 def _training_error(message, vocab_size, input_files):
     """sentencepiece's RuntimeError ``message`` -> a DataError saying what to change."""
     too_high = re.search(r"Vocabulary size too high \((\d+)\)\. "
                          r"Please set it to a value <= (\d+)", message)
     if too_high:
-        return DataError(f"--vocab-size {vocab_size} is too large for this training text: "
-                         f"sentencepiece can make at most {too_high.group(2)} pieces from "
-                         f"it. Use --vocab-size {too_high.group(2)} or less (or more text).")
+        return VocabTooLarge(f"--vocab-size {vocab_size} is too large for this training "
+                             f"text: sentencepiece can make at most {too_high.group(2)} "
+                             f"pieces from it. Use --vocab-size {too_high.group(2)} or less "
+                             "(or more text).", int(too_high.group(2)))
     too_low = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)",
                         message)
     if too_low:

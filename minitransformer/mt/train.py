@@ -33,7 +33,7 @@ from .options import (MODEL_FLAGS, PROFILE_WARMUP, check_options, fill_defaults,
 from .plan import DeadlinePlan
 from .rundir import RunDir, RunDirBusy
 from .step import train_step
-from .tokenizer import SubwordSampler, Tokenizer, train_sentencepiece
+from .tokenizer import SubwordSampler, Tokenizer, VocabTooLarge, train_sentencepiece
 from .translation import corpus_bleu, translate_lines
 
 
@@ -158,18 +158,29 @@ class Trainer:
         a = self.args
         self._find_corpus()
         src, tgt, stats = read_parallel(*self.files[a.train_split])
-        if a.vocab_size is None:  # (a run that sizes itself: autosize.py)
+        chosen = a.vocab_size is None  # (a run that sizes itself: autosize.py)
+        if chosen:
             a.vocab_size = autosize.vocab_size(stats["pairs"])
             self._log_early(f"vocabulary for {stats['pairs']} training pairs: {a.vocab_size} "
                             "pieces (about 6000 per 29,000 pairs, with the square root)")
         if self.main and not os.path.exists(self.rd.spm_model):
             self._log_early(f"training a joint sentencepiece model, vocabulary {a.vocab_size}")
-            train_sentencepiece(list(self.files[a.train_split]),
-                                self.rd.spm_prefix, a.vocab_size,
-                                model_type=a.spm_type)
+            try:
+                train_sentencepiece(list(self.files[a.train_split]), self.rd.spm_prefix,
+                                    a.vocab_size, model_type=a.spm_type)
+            except VocabTooLarge as exc:
+                if not chosen:
+                    raise
+                a.vocab_size = exc.limit  # (a small corpus: as many pieces as it makes)
+                self._log_early(f"the text makes at most {exc.limit} pieces: vocabulary "
+                                f"{exc.limit}")
+                train_sentencepiece(list(self.files[a.train_split]), self.rd.spm_prefix,
+                                    a.vocab_size, model_type=a.spm_type)
         if self.comm:
             self.comm.barrier()
         self.tok = Tokenizer(self.rd.spm_model)
+        if chosen:  # (every rank: the size rank 0's model got)
+            a.vocab_size = self.tok.vocab_size
         self.spm_sha = ckpt.file_sha256(self.rd.spm_model)
         resegment = None
         if a.subword_alpha > 0:
@@ -480,7 +491,7 @@ class Trainer:
                      f"{json.dumps(dataclasses.asdict(self.cfg))}")
             self.batch_iter = iter(self.batches)
             reason = self._loop(log, stop)
-            self.stopped_by = stop.signum
+            finished = stop.signum is None
             if stop.signum is not None:
                 if self.comm:  # every rank stops here, with the same status
                     self.comm.agreed_stop = True
@@ -491,7 +502,10 @@ class Trainer:
                 self._validate_and_save(log)
             else:
                 self.save(self.rd.last)
-        if stop.signum is None:
+        # (a signal during the closing validation or save: training finished, and the run
+        # still stops with the signal's status, skipping the test)
+        self.stopped_by = stop.signum
+        if finished:
             log.info(f"training finished ({reason}) after {self.update} updates, "
                      f"{self.train_time:.0f} s ({self.clock() - self.start:.1f} s with the "
                      "closing validation and checkpoint)")
