@@ -17,6 +17,7 @@ USAGE = """train.py: train a Transformer on parallel text, the paper's recipe (Â
 command line.
 
     python train.py                                   # synthetic corpus, tiny model, then BLEU
+    python train.py --data DIR --src-lang en --tgt-lang de --max-time 30   # sizes itself
     python train.py --data DIR --src-lang en --tgt-lang de --preset base --run-dir runs/ende
     python train.py --config recipe.toml              # the same flags from a JSON/TOML file
     python train.py --run-dir runs/ende --resume      # continue exactly where a run stopped
@@ -69,7 +70,8 @@ def _data_flags(g):
                                                         "if its files exist ('' to skip)")
     add_number(g, "--vocab-size", int, ">= 8", default=None,
                help="joint sentencepiece vocabulary (default 8000; 1000 for the synthetic "
-                    "corpus)")
+                    "corpus; with --data and --max-time and no --preset, chosen from the "
+                    "corpus size: mt/autosize.py)")
     g.add_argument("--spm-type", default=None, choices=["unigram", "bpe", "char", "word"],
                    help="sentencepiece algorithm (default unigram; bpe for the synthetic corpus, "
                         "whose words it keeps whole)")
@@ -105,7 +107,11 @@ def _memory(text):
 
 def _model_flags(g):
     """--preset, and one flag per MODEL_FLAGS field of TransformerConfig, overriding it."""
-    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="default tiny; with --data and --max-time and no --preset, the run "
+                        "sizes itself: the largest model of a ladder that the corpus and the "
+                        "measured update rate can feed, with its vocabulary, batch, peak rate "
+                        "and subword regularization (mt/autosize.py; model flags still win)")
     for f in dataclasses.fields(TransformerConfig):
         if f.name not in MODEL_FLAGS:
             continue
