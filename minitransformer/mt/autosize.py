@@ -78,11 +78,9 @@ def choose_model(corpus_tokens, budget_s, measure):
             why = (f"{trained / params:.2f} trained tokens per parameter in the budget, "
                    f"fewer than {TOKENS_PER_PARAM:g}")
         notes.append((fields, seconds, tokens, params, why))
-        if why is not None and i > 0:
-            break
-        chosen = i
         if why is not None:  # (the smallest rung is taken even when too large)
             break
+        chosen = i
     return chosen, notes
 
 
@@ -104,7 +102,7 @@ def report(index, notes, corpus_tokens, minutes, given=None):
     rung's fields)."""
     given = given or {}
     tried = "; ".join(
-        f"d_model {f.get('d_model')} x {f.get('n_layers')}: {p / 1e6:.2f} M parameters, "
+        f"d_model {f['d_model']} x {f['n_layers']}: {p / 1e6:.2f} M parameters, "
         f"{s:.3g} s/update" + (f" ({why})" if why else "")
         for f, s, _, p, why in (({**f, **given}, *rest) for f, *rest in notes))
     return (f"model for {corpus_tokens} target tokens and {minutes:g} min: "
