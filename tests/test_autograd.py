@@ -94,6 +94,40 @@ def test_no_grad_records_nothing(xp, arrays):
     assert z.requires_grad and z.node is not None
 
 
+def test_no_grad_and_the_running_module_are_per_thread(xp, arrays):
+    # a thread decoding under no_grad (mt/search.py's shared_out) neither stops another
+    # thread's recording nor, when it leaves the block, switches recording back on in a
+    # thread that is inside its own; each thread has its own stack of running modules
+    import threading
+
+    from minitransformer.engine import scope
+    x = leaf(arrays, 3)
+    inside, leave, seen = threading.Event(), threading.Event(), {}
+
+    def decoding():
+        with no_grad():
+            scope.push("module of the other thread")
+            inside.set()
+            leave.wait(10)
+            seen["other: recording"] = is_grad_enabled()
+            scope.pop()
+        seen["other: after its block"] = is_grad_enabled()
+
+    thread = threading.Thread(target=decoding)
+    thread.start()
+    assert inside.wait(10)
+    assert is_grad_enabled() and scope.current_module() is None
+    y = (x * 2.0).sum()
+    assert y.requires_grad and y.node is not None  # recorded here
+    with no_grad():
+        leave.set()
+        thread.join(10)
+        assert not is_grad_enabled()  # the other thread's exit did not switch it back on
+        assert (x * 2.0).sum().node is None
+    assert seen == {"other: recording": False, "other: after its block": True}
+    assert is_grad_enabled()
+
+
 @pytest.mark.parametrize("sa,sb", [((3, 4), (4,)), ((3, 4), (3, 1)), ((3, 4), (1, 1)),
                                    ((2, 1, 4), (3, 1)), ((3, 4), ())])
 def test_broadcast_gradient_is_summed_back(xp, arrays, assert_close, sa, sb):

@@ -261,3 +261,53 @@ def test_cpu_threads_follows_the_blas_thread_limit():
     from minitransformer.mt.search import cpu_threads
     with threadpoolctl.threadpool_limits(1, user_api="blas"):
         assert cpu_threads() == 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_search_shared_out_to_threads_equals_one_search(dtype):
+    # shared_out deals a batch's sentences out to as many threads as the BLAS has (sentence i
+    # to thread i % n), each searching its share, trimmed to its longest source, with one
+    # BLAS thread: every sentence's output and score equal those of one search of the batch
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from minitransformer.mt import search
+    cfg = TransformerConfig(vocab_size=300, d_model=32, n_heads=4, d_ff=64, n_layers=2,
+                            dropout=0.0)
+    m = Transformer(cfg, seed=6, dtype=dtype)
+    rng = np.random.default_rng(23)
+    lengths = np.sort(rng.integers(2, 12, 40))  # a batch sorted by length, as translate.py's
+    src = np.zeros((40, 12), dtype=np.int64)
+    for i, n in enumerate(lengths):
+        src[i, :n] = rng.integers(4, 300, n)
+        src[i, n - 1] = cfg.eos_id
+    runs = {}
+    for threads in (1, 3):
+        with threadpoolctl.threadpool_limits(threads, user_api="blas"):
+            if search.cpu_threads() != threads:
+                pytest.skip("the BLAS does not take a thread limit here")
+            assert search.search_threads(m, len(src)) == threads  # 40 // 8 >= 3
+            runs[threads] = (search.greedy_search(m, src, max_len_a=5),
+                             search.beam_search(m, src, beam=3, max_len_a=5, return_all=True))
+    assert search._search_pool["size"] >= 3  # (the shares went to the threads)
+    assert runs[3][0] == runs[1][0]  # greedy: the same tokens
+    # beam: the same hypotheses in the same order; their scores agree to rounding, as a
+    # sentence's do between any two batches: the BLAS sums a product's rows in an order that
+    # depends on how many rows it gets (OpenBLAS: in the last bits, with an odd count)
+    assert [[h for _, h in hyps] for hyps in runs[3][1]] == \
+           [[h for _, h in hyps] for hyps in runs[1][1]]
+    np.testing.assert_allclose([s for hyps in runs[3][1] for s, _ in hyps],
+                               [s for hyps in runs[1][1] for s, _ in hyps],
+                               rtol=2e-6 if dtype == np.float32 else 1e-14)  # (seen: 2e-7, 3e-16)
+    assert len(runs[1][0]) == 40 and all(runs[1][1])
+
+
+def test_no_threads_for_few_sentences_or_while_the_attention_store_is_on(model, monkeypatch):
+    from minitransformer.mt import search
+    monkeypatch.setattr(search, "cpu_threads", lambda: 4)
+    assert search.search_threads(model, 8 * 4) == 4
+    assert search.search_threads(model, 8 * 2 + 7) == 2
+    assert search.search_threads(model, 7) == 1
+    model.set_attention_store({})
+    try:
+        assert search.search_threads(model, 64) == 1  # (the maps follow one thread's ops)
+    finally:
+        model.set_attention_store(None)

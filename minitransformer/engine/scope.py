@@ -9,21 +9,33 @@ tape listing, the profiler and anomaly mode name ops by it.
 """
 from __future__ import annotations
 
-_stack = []  # the modules whose forward is running, innermost last
+import threading
+
+
+class _Running(threading.local):
+    """The modules whose forward is running in this thread, innermost last (a stack per
+    thread: two threads decoding with one model do not see each other's modules)."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_running = _Running()
 
 
 def push(module):
     """``module``'s forward starts (Module.__call__; ``pop`` when it returns or raises)."""
-    _stack.append(module)
+    _running.stack.append(module)
 
 
 def pop():
-    _stack.pop()
+    _running.stack.pop()
 
 
 def current_module():
-    """The innermost module whose forward is running, or None."""
-    return _stack[-1] if _stack else None
+    """The innermost module whose forward is running in this thread, or None."""
+    stack = _running.stack
+    return stack[-1] if stack else None
 
 
 def module_paths(root):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -18,23 +19,32 @@ from .. import backend
 from . import anomaly, scope
 
 _tape_counter = itertools.count()
-_grad_enabled = True
 _profiler = None  # the active profiler.Profiler (set by it while active), or None
+
+
+class _GradMode(threading.local):
+    """Whether ops are recorded, per thread (``enabled`` starts True in every thread): a
+    thread decoding under no_grad never switches recording off, or back on, in another."""
+    enabled = True
+
+
+_grad_mode = _GradMode()
 
 
 @contextlib.contextmanager
 def no_grad():
-    """Inside this block nothing is recorded on the tape (inference, evaluation)."""
-    global _grad_enabled
-    previous, _grad_enabled = _grad_enabled, False
+    """Inside this block nothing is recorded on the tape (inference, evaluation); in this
+    thread only."""
+    previous, _grad_mode.enabled = _grad_mode.enabled, False
     try:
         yield
     finally:
-        _grad_enabled = previous
+        _grad_mode.enabled = previous
 
 
 def is_grad_enabled():
-    return _grad_enabled
+    """Whether ops applied in this thread are recorded now."""
+    return _grad_mode.enabled
 
 
 class Tensor:
@@ -302,7 +312,8 @@ class Function:
     def apply(cls, *inputs: Any, **options: Any) -> Tensor:
         fn = cls(**options)
         tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
-        if not _grad_enabled and _profiler is None and not anomaly.enabled():
+        grad = _grad_mode.enabled
+        if not grad and _profiler is None and not anomaly.enabled():
             # inference (decoding under no_grad): no tape, nothing kept beyond this call
             return Tensor.wrap(fn.forward(*(t.data for t in tensors)))
         fn.module = scope.current_module()  # the module whose forward applies it, or None
@@ -313,7 +324,7 @@ class Function:
         if anomaly.enabled():  # (detect_anomaly: the first NaN or Inf names its op)
             anomaly.check_forward(fn, [t.data for t in tensors], out)
         out = Tensor(out)
-        if _grad_enabled and any(t.requires_grad for t in tensors):
+        if grad and any(t.requires_grad for t in tensors):
             # Parameters are kept (their .grad is where gradients land); every other input
             # is kept as an edge without its array, so an intermediate result is freed as
             # soon as neither the model's code nor a forward that saved it holds it.

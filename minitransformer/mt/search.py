@@ -15,6 +15,10 @@ are copied. The search reads back only what it decides on: greedy, the argmax of
 beam search, the 2 * beam best tokens of each beam, normalised to log-probabilities only
 there (``log_softmax_at``). That work over the whole vocabulary runs on chunks of rows that
 stay in cache, in as many threads as the BLAS has (``by_rows``), as the products do.
+On a CPU with several BLAS threads a batch's sentences are first shared out to as many
+threads, each searching its share with one BLAS thread (``shared_out``): NumPy runs a step's
+elementwise work on one core, and a step's products are too small to gain much from several
+BLAS threads, so a whole search per core keeps every core busy.
 
 Beam search keeps ``beam`` hypotheses per sentence, ranked by their summed log-probability;
 finished ones are ranked by the GNMT-normalised score  log P(Y|X) / lp(Y) with
@@ -37,6 +41,8 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_numpy
+from ..engine import anomaly
+from ..engine import tensor as tensor_module
 from ..engine.tensor import no_grad
 from ..nn.transformer import Transformer
 
@@ -100,7 +106,13 @@ def output_limits(model: Transformer, src: Any, max_len_a: int) -> np.ndarray:
 
 
 def greedy_search(model: Transformer, src: Any, max_len_a: int = 50) -> list[list[int]]:
-    """src ids (B, S) -> list of B token-id lists (EOS and padding stripped)."""
+    """src ids (B, S) -> list of B token-id lists (EOS and padding stripped). On a CPU with
+    several BLAS threads the sentences are shared out to threads (``shared_out``)."""
+    return shared_out(model, src, lambda part: _greedy(model, part, max_len_a))
+
+
+def _greedy(model, src, max_len_a):
+    """greedy_search in this thread."""
     with no_grad():
         model.eval()
         xp, eos = model.xp(), model.cfg.eos_id
@@ -135,8 +147,15 @@ def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
     """src ids (B, S) -> list of B best token-id lists (EOS stripped).
 
     With ``return_all`` each entry is instead the list of (score, tokens) of the finished
-    hypotheses, best first.
+    hypotheses, best first. On a CPU with several BLAS threads the sentences are shared out
+    to threads (``shared_out``).
     """
+    return shared_out(model, src, lambda part: _beam(model, part, beam, alpha, max_len_a,
+                                                     length_penalty, return_all))
+
+
+def _beam(model, src, beam, alpha, max_len_a, length_penalty, return_all):
+    """beam_search in this thread."""
     with no_grad():
         model.eval()
         xp = model.xp()
@@ -203,6 +222,7 @@ MIN_BLOCK = 1 << 18
 # group maxima, subtract, exp, sum) then find it in the core's L2 cache, not in memory.
 CHUNK_BYTES = 1 << 19
 _pool = {"pid": None, "executor": None, "size": 0, "blas": None}
+_search_pool = {"pid": None, "executor": None, "size": 0}
 
 
 def cpu_threads():
@@ -237,17 +257,69 @@ def by_rows(xp, fn, z):
     if threads <= 1:
         parts = run(chunks)
     else:
-        if _pool["pid"] != os.getpid() or _pool["size"] < threads:
-            # (a pool's threads do not survive a fork: translate.py's workers make their own)
-            if _pool["pid"] == os.getpid():
-                _pool["executor"].shutdown(wait=False)
-            _pool.update(pid=os.getpid(), executor=ThreadPoolExecutor(threads), size=threads)
         edges = [len(chunks) * i // threads for i in range(threads + 1)]
         groups = [chunks[a:b] for a, b in zip(edges, edges[1:])]
-        parts = [out for group in _pool["executor"].map(run, groups) for out in group]
+        parts = [out for group in _executor(_pool, threads).map(run, groups) for out in group]
     if len(parts) == 1:
         return parts[0]
     return tuple(np.concatenate(arrays) for arrays in zip(*parts))
+
+
+def _executor(pool, threads):
+    """The executor of ``pool`` (``_pool``, by_rows'; ``_search_pool``, shared_out's: two, so
+    that work in one never waits for threads busy in the other), with at least ``threads``
+    threads in this process."""
+    if pool["pid"] != os.getpid() or pool["size"] < threads:
+        # (a pool's threads do not survive a fork: translate.py's workers make their own)
+        if pool["pid"] == os.getpid():
+            pool["executor"].shutdown(wait=False)
+        pool.update(pid=os.getpid(), executor=ThreadPoolExecutor(threads), size=threads)
+    return pool["executor"]
+
+
+# shared_out gives each thread at least this many sentences: fewer do not pay for the
+# thread (its products get too few rows to run at the BLAS's speed).
+MIN_THREAD_SENTENCES = 8
+
+
+def search_threads(model: Transformer, sentences: int) -> int:
+    """How many threads shared_out splits a search of ``sentences`` sentences into: as many
+    as the BLAS has (``cpu_threads``), each with at least MIN_THREAD_SENTENCES sentences; 1
+    on a GPU, and while the profiler, anomaly mode or the attention store is on (they
+    follow one thread's ops)."""
+    if model.xp() is not np or tensor_module._profiler is not None or anomaly.enabled():
+        return 1
+    if any(getattr(m, "store", None) is not None for m in model.modules()):
+        return 1
+    return max(1, min(cpu_threads(), sentences // MIN_THREAD_SENTENCES))
+
+
+def shared_out(model: Transformer, src: Any, search) -> list:
+    """search(src) -> its list of per-sentence results, with the sentences of src (B, S)
+    shared out to ``search_threads`` threads: sentence i goes to thread i % n (a batch is
+    sorted by length, so each thread gets as much work), each thread runs ``search`` on its
+    share, trimmed to its longest source, with one BLAS thread, and the results are put back
+    in order. NumPy and the BLAS release the GIL while they work, so a step's elementwise
+    work, which NumPy runs on one core, and its products, too small to gain much from
+    several BLAS threads, run on every core at once. A sentence's result does not depend on
+    the others in its batch (padding adds exact zeros, a product's rows are independent), so
+    it is the same as in one search."""
+    n = search_threads(model, len(src))
+    if n <= 1:
+        return search(src)
+    import threadpoolctl
+    src = model.ids(src)
+    pad = model.cfg.pad_id
+    parts = []
+    for w in range(n):
+        part = src[w::n]
+        parts.append(part[:, :max(1, int((part != pad).sum(axis=1).max()))])
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        results = list(_executor(_search_pool, n).map(search, parts))
+    out = [None] * len(src)
+    for w, result in enumerate(results):
+        out[w::n] = result
+    return out
 
 
 def compacted(keep):

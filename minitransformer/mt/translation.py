@@ -117,9 +117,11 @@ def translate_in_workers(model, src_ids, workers, max_tokens, search):
     cores busy through the whole step (on 2 cores, translation runs about 1.2x faster greedy
     and 1.5x with beam 4). The sources, sorted by length, are dealt out in turn (worker w
     gets the w-th, the (w + workers)-th, ...), so every worker gets as much work; each batches
-    its share as one process would. A sentence's output does not depend on its batch (a
-    product's rows are split between BLAS threads, never its sums, and padding adds exact
-    zeros), so the output is that of one process. The model is shared copy-on-write; only
+    its share as one process would. A sentence's output does not depend on its batch
+    (padding adds exact zeros, and a product's rows are computed independently), so the
+    output is that of one process; only a score can differ in its last bits (the BLAS sums a
+    row in an order that depends on how many rows the product has), which changes a
+    token only at a floating-point tie. The model is shared copy-on-write; only
     token lists travel back. A worker's exception is raised here; a worker that dies raises
     WorkerDied; on any error or Ctrl-C (which workers ignore) the others are terminated."""
     import multiprocessing
