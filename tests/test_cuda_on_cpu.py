@@ -414,3 +414,43 @@ def test_run_py_gives_a_python_command_the_stand_in(tmp_path):
     assert lines[0].endswith("+cuda-on-cpu") and lines[1] == "3"
     assert lines[2].endswith("+cuda-on-cpu")  # and so does every Python process it starts
     assert "Error in sitecustomize" not in res.stderr
+
+
+def test_device_memory_is_counted_as_cupys_pool_counts_it(stand_in, monkeypatch):
+    # what memfit.py reads on a GPU: the pool's bytes in use, memGetInfo, a MemoryHook's
+    # malloc / free calls; and an allocation past the device's memory raises CuPy's error
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    calls = []
+
+    class Hook(cupy.cuda.MemoryHook):
+        name = "test-hook"
+
+        def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+            calls.append(("malloc", size, mem_size))
+
+        def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):
+            calls.append(("free", mem_size))
+
+    before = pool.used_bytes()
+    a = cupy.zeros(1000, dtype=cupy.float32)  # 4000 bytes: 4096 in 512-byte blocks
+    assert pool.used_bytes() == before + 4096
+    view = a[10:].reshape(10, 99)
+    assert pool.used_bytes() == before + 4096  # a view holds no memory of its own
+    free, total = cupy.cuda.runtime.memGetInfo()
+    assert free == total - pool.used_bytes()
+    with Hook():
+        b = a * 2  # a new array: 4096 bytes
+        assert calls == [("malloc", 4000, 4096)]
+        del b
+        assert calls[-1] == ("free", 4096)
+    c = a + 1  # outside the hook: not heard
+    assert len(calls) == 2
+    del a, view, c
+    assert pool.used_bytes() == before  # freed when the last array using it is gone
+    monkeypatch.setattr(stand_in._memory, "total", before + 10_000)
+    keep = cupy.ones(2000, dtype=cupy.float32)  # 8192 bytes fit
+    with pytest.raises(cupy.cuda.memory.OutOfMemoryError, match="Out of memory allocating") as e:
+        keep + 1  # 8192 more do not
+    assert isinstance(e.value, MemoryError)
+    assert pool.used_bytes() == before + 8192

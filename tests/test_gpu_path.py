@@ -126,3 +126,46 @@ def test_bench_device_cuda_runs_through_on_the_stand_in(tmp_path, precision):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cuda" in proc.stdout and results.exists()
+
+
+@pytest.mark.skipif(REAL_GPU, reason="sets the stand-in's device memory")
+def test_max_tokens_auto_on_the_device_fits_the_memory_budget(tmp_path, capsys, monkeypatch):
+    """--device cuda --max-tokens auto --memory 30M: memfit measures the step's peak in CuPy's
+    pool (a MemoryHook) on the longest pairs. On a device of exactly 30 MiB the chosen
+    number then trains, as the run that chose it did, and a larger batch runs out of memory
+    with the message that names it and what to pass."""
+    import re
+
+    from cuda_on_cpu import fake_cupy
+    short = ["--max-updates", "3", "--valid-every", "3"]  # (after UPDATES: these win)
+    auto = tmp_path / "auto"
+    small_corpus(auto)
+    assert train_cli.main(SMALL + UPDATES + short + ["--run-dir", str(auto), "--device", "cuda",
+                                                     "--max-tokens", "auto",
+                                                     "--memory", "30M"]) == 0
+    err = "".join(capsys.readouterr())
+    m = re.search(r"--max-tokens auto: (\d+) \(memory budget 30 MiB; .*measured at .*\)", err)
+    assert m, err
+    chosen = int(m.group(1))
+    assert 600 < chosen < 65536  # (more than the CPU runs' 600; not the largest allowed)
+    saved = json.loads((auto / "config.json").read_text())["train"]
+    assert saved["max_tokens"] == chosen and saved["memory"] == "30M"
+
+    monkeypatch.setattr(fake_cupy._memory, "total", 30 << 20)  # a device of 30 MiB
+    given = tmp_path / "given"
+    small_corpus(given)
+    assert train_cli.main(SMALL + UPDATES + short + ["--run-dir", str(given), "--device",
+                                                     "cuda", "--max-tokens", str(chosen)]) == 0
+    a, b = (ckpt.load_checkpoint(str(d / "checkpoint_last.npz"))[0] for d in (auto, given))
+    assert all(np.array_equal(a[k], b[k]) for k in a)  # the measuring left no trace
+    capsys.readouterr()
+    big = tmp_path / "big"
+    small_corpus(big)
+    assert train_cli.main(SMALL + UPDATES + short + ["--run-dir", str(big), "--device", "cuda",
+                                                     "--max-tokens", str(3 * chosen)]) == 1
+    err = "".join(capsys.readouterr())
+    m = re.search(r"out of memory at update \d+, on a batch of \d+ pairs padded to \d+ source "
+                  rf"and \d+ target tokens \(\d+ of --max-tokens {3 * chosen}\): pass "
+                  r"--max-tokens (\d+)", err)
+    assert m, err
+    assert int(m.group(1)) < 3 * chosen and "are intact" in err

@@ -18,19 +18,29 @@
 - ``RawModule`` and ``ElementwiseKernel`` compile the CUDA source with the host C++ compiler
   against ``cuda_on_cpu.h`` (``kernels.py``), so the kernels themselves run;
 - ``cupy.random.RandomState`` draws from NumPy's Philox (not cuRAND's streams),
-  ``cupy.cuda`` has a runtime with ``CUDA_ON_CPU_DEVICES`` GPUs (default 1), devices,
-  streams and memory pools that do nothing, and ``cupy.cuda.nccl`` sums over MPI (mpi4py)
-  between the processes of an ``mpiexec`` run, reading the buffers through their pointers.
+  ``cupy.cuda`` has a runtime with ``CUDA_ON_CPU_DEVICES`` GPUs (default 1), devices and
+  streams that do nothing, and ``cupy.cuda.nccl`` sums over MPI (mpi4py) between the
+  processes of an ``mpiexec`` run, reading the buffers through their pointers;
+- device memory is counted as CuPy's pool counts it: each NumPy array that owns the memory
+  behind device arrays holds its size rounded up to 512 bytes from its creation until it is
+  freed (views add nothing), ``get_default_memory_pool().used_bytes()`` and
+  ``cupy.cuda.runtime.memGetInfo()`` report it, ``cupy.cuda.MemoryHook``s entered in a
+  thread hear of every allocation and free there, and an allocation past the device's
+  memory (``CUDA_ON_CPU_MEMORY`` bytes, default 16 GiB) raises
+  ``cupy.cuda.memory.OutOfMemoryError`` (the pool caches nothing: freed memory is free).
 
 Without an installed CuPy the stand-in still runs, but checks nothing against CuPy's API
 (``API_CHECKED`` is False).
 """
+import collections
 import ctypes
 import functools
 import inspect
 import re
 import sys
+import threading
 import types
+import weakref
 
 import numpy as np
 
@@ -171,6 +181,98 @@ class _Flags:
                 "OWNDATA": self.owndata}[key]
 
 
+# ---- device memory: the pool's count, memGetInfo, MemoryHook, out of memory -----------------
+ROUND = 512  # CuPy's pool hands out multiples of 512 bytes
+_memory = types.SimpleNamespace(total=1 << 34, used=0, live={})
+_hooks = threading.local()  # MemoryHooks entered in this thread, by name (CuPy's are per thread)
+
+
+def _hooks_here():
+    if not hasattr(_hooks, "active"):
+        _hooks.active = collections.OrderedDict()
+    return _hooks.active
+
+
+class OutOfMemoryError(MemoryError):
+    """cupy.cuda.memory.OutOfMemoryError: an allocation the device's memory cannot hold."""
+
+    def __init__(self, size, total):
+        super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: "
+                         f"{total:,} bytes).")
+
+
+def _allocated(a):
+    """``a`` (a NumPy array behind a device array), with the memory it lives in counted once:
+    the array that owns it holds its size, rounded up to ROUND, until it is freed. Raises
+    OutOfMemoryError past the device's memory. Memory NumPy does not own (a view of a host
+    buffer) is not device memory and is not counted."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if root.base is not None or root.nbytes == 0 or id(root) in _memory.live:
+        return a
+    size = root.nbytes
+    mem = -(-size // ROUND) * ROUND
+    hooks = list(_hooks_here().values())
+    for h in hooks:
+        h.malloc_preprocess(device_id=_state.device, size=size, mem_size=mem)
+    if _memory.used + mem > _memory.total:
+        raise OutOfMemoryError(mem, _memory.used)
+    key, ptr = id(root), root.ctypes.data
+    _memory.used += mem
+    _memory.live[key] = mem
+    weakref.finalize(root, _freed, key, mem, ptr)
+    for h in hooks:
+        h.malloc_postprocess(device_id=_state.device, size=size, mem_size=mem, mem_ptr=ptr,
+                             pmem_id=key)
+    return a
+
+
+def _freed(key, mem, ptr):
+    hooks = list(_hooks_here().values())
+    for h in hooks:
+        h.free_preprocess(device_id=_state.device, mem_size=mem, mem_ptr=ptr, pmem_id=key)
+    _memory.used -= mem
+    _memory.live.pop(key, None)
+    for h in hooks:
+        h.free_postprocess(device_id=_state.device, mem_size=mem, mem_ptr=ptr, pmem_id=key)
+
+
+class MemoryHook:
+    """cupy.cuda.MemoryHook: a subclass's methods are called, with CuPy's keywords, around
+    each allocation and free of this thread while it is entered (``with hook:``)."""
+
+    name = "MemoryHook"
+
+    def __enter__(self):
+        hooks = _hooks_here()
+        if self.name in hooks:
+            raise RuntimeError(f"memory hook {self.name} already exists")
+        hooks[self.name] = self
+        return self
+
+    def __exit__(self, *exc):
+        del _hooks_here()[self.name]
+
+    def alloc_preprocess(self, **kwargs):
+        pass
+
+    def alloc_postprocess(self, **kwargs):
+        pass
+
+    def malloc_preprocess(self, **kwargs):
+        pass
+
+    def malloc_postprocess(self, **kwargs):
+        pass
+
+    def free_preprocess(self, **kwargs):
+        pass
+
+    def free_postprocess(self, **kwargs):
+        pass
+
+
 class ndarray:
     """A device array: a NumPy array behind CuPy's interface and rules."""
 
@@ -181,12 +283,12 @@ class ndarray:
     def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
         if memptr is not None or strides is not None:
             raise NotImplementedError("ndarray(memptr=..., strides=...) in the stand-in")
-        self._a = np.empty(shape, dtype=dtype, order=order)
+        self._a = _allocated(np.empty(shape, dtype=dtype, order=order))
 
     @classmethod
     def _of(cls, a):
         obj = object.__new__(cls)
-        obj._a = a
+        obj._a = _allocated(a)
         return obj
 
     # attributes CuPy computes, not NumPy's objects
@@ -523,11 +625,13 @@ def get_current_stream(device_id=None):
 
 
 class MemoryPool:
+    """What the device's arrays hold (the stand-in's pool keeps no freed blocks)."""
+
     def used_bytes(self):
-        return 0
+        return _memory.used
 
     def total_bytes(self):
-        return 0
+        return _memory.used
 
     def free_bytes(self):
         return 0
@@ -561,8 +665,9 @@ def _runtime():
     rt.setDevice = lambda d: Device(d).use()
     rt.runtimeGetVersion = lambda: 12090
     rt.driverGetVersion = lambda: 12090
+    rt.memGetInfo = lambda: (_memory.total - _memory.used, _memory.total)
     rt.getDeviceProperties = lambda d: {"name": b"CUDA-on-CPU stand-in", "major": 9,
-                                        "minor": 0, "totalGlobalMem": 1 << 34,
+                                        "minor": 0, "totalGlobalMem": _memory.total,
                                         "multiProcessorCount": 1, "warpSize": 32}
     rt.deviceSynchronize = lambda: None
     return _Checked(rt, "cupy.cuda.runtime")
@@ -639,6 +744,8 @@ def _cuda():
     m.Device, m.Stream, m.MemoryPool, m.PinnedMemoryPool = Device, Stream, MemoryPool, \
         PinnedMemoryPool
     m.MemoryPointer = MemoryPointer
+    m.MemoryHook = MemoryHook
+    m.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError, MemoryPool=MemoryPool)
     m.get_current_stream = get_current_stream
     m.runtime = _runtime()
     m.nccl = _nccl()
@@ -767,12 +874,14 @@ MODULES = {"cupy": cupy, "cupyx": cupyx, "cupy.cuda": cupy.cuda,
            "cupy.random": cupy.random}
 
 
-def install(n_devices=None):
+def install(n_devices=None, memory=None):
     """Make ``import cupy`` (and the package's backend) use the stand-in; -> undo().
 
-    ``n_devices``: how many GPUs the runtime reports (default: CUDA_ON_CPU_DEVICES or 1)."""
+    ``n_devices``: how many GPUs the runtime reports (default: CUDA_ON_CPU_DEVICES or 1);
+    ``memory``: each one's memory in bytes (default: CUDA_ON_CPU_MEMORY or 16 GiB)."""
     import os
     _state.n_devices = int(n_devices or os.environ.get("CUDA_ON_CPU_DEVICES", "1"))
+    _memory.total = int(memory or os.environ.get("CUDA_ON_CPU_MEMORY", str(1 << 34)))
     _state.device = 0
     saved = {k: sys.modules.get(k) for k in MODULES}
     sys.modules.update(MODULES)
