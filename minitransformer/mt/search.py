@@ -228,10 +228,16 @@ _search_pool = {"pid": None, "executor": None, "size": 0}
 def cpu_threads():
     """The threads NumPy's BLAS runs with (threadpoolctl reads it from the library, so it
     follows ``threadpool_limits`` and OPENBLAS_NUM_THREADS); 1 when it cannot tell."""
+    return max([1] + [lib.num_threads for lib in _blas().lib_controllers])
+
+
+def _blas():
+    """threadpoolctl's controller of NumPy's BLAS (made once: finding it scans the loaded
+    libraries)."""
     if _pool["blas"] is None:
         import threadpoolctl
         _pool["blas"] = threadpoolctl.ThreadpoolController().select(user_api="blas")
-    return max([1] + [lib.num_threads for lib in _pool["blas"].lib_controllers])
+    return _pool["blas"]
 
 
 def by_rows(xp, fn, z):
@@ -307,14 +313,13 @@ def shared_out(model: Transformer, src: Any, search) -> list:
     n = search_threads(model, len(src))
     if n <= 1:
         return search(src)
-    import threadpoolctl
     src = model.ids(src)
     pad = model.cfg.pad_id
     parts = []
     for w in range(n):
         part = src[w::n]
         parts.append(part[:, :max(1, int((part != pad).sum(axis=1).max()))])
-    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+    with _blas().limit(limits=1):
         results = list(_executor(_search_pool, n).map(search, parts))
     out = [None] * len(src)
     for w, result in enumerate(results):
