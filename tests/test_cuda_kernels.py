@@ -88,7 +88,7 @@ def elementwise_as_raw_kernel(in_params, out_params, operation, ctype):
         else:
             args.append(f"T* _out_{name}")
             loads.append(f"T& {name} = _out_{name}[i];")
-    return (f"typedef {ctype} T;\n"
+    return (f"typedef {ctype} T;\n{ck.ELEMENTWISE_PREAMBLE}\n"
             f"extern \"C\" __global__ void check({', '.join(args)}, long long n) {{\n"
             "    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n"
             "    if (i >= n) return;\n    " + "\n    ".join(loads) + "\n"

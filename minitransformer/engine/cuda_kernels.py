@@ -29,8 +29,8 @@ import numpy as np
 from .. import backend
 from ..settings import SETTINGS
 from .cuda_source import (  # noqa: F401  (the tests read the source through this module)
-    ELEMENTWISE_SPECS, MAX_THREADS, ROW_KERNEL_OPTIONS, ROW_KERNELS, ROW_KERNELS_SOURCE,
-    STORAGE_TYPES, row_kernel_names)
+    ELEMENTWISE_PREAMBLE, ELEMENTWISE_SPECS, MAX_THREADS, ROW_KERNEL_OPTIONS, ROW_KERNELS,
+    ROW_KERNELS_SOURCE, STORAGE_TYPES, row_kernel_names)
 
 _kernels = {}  # name -> compiled RawModule / ElementwiseKernel, built on first use
 
@@ -81,7 +81,8 @@ def _elementwise(name, dtype):
         raise TypeError(f"{name}: dtype {np.dtype(dtype)} not supported (float32, float64)")
     kernel = _kernels.get(name)
     if kernel is None:
-        kernel = _kernels[name] = _cupy().ElementwiseKernel(*ELEMENTWISE_SPECS[name])
+        kernel = _kernels[name] = _cupy().ElementwiseKernel(
+            *ELEMENTWISE_SPECS[name], preamble=ELEMENTWISE_PREAMBLE)
     return kernel
 
 

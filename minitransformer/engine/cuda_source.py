@@ -2,7 +2,8 @@
 
 ``ROW_KERNELS_SOURCE``: C++ templates, one thread block per row, instantiated for each
 storage type in ``STORAGE_TYPES`` (``row_kernel_names``); ``ELEMENTWISE_SPECS``: the
-(in_params, out_params, operation, name) of each ``cupy.ElementwiseKernel``. Kept apart so
+(in_params, out_params, operation, name) of each ``cupy.ElementwiseKernel`` (compiled with
+``ELEMENTWISE_PREAMBLE`` ahead of it). Kept apart so
 that the Python that launches them reads on one screen, and so that the tests compile
 exactly this text (with NVRTC, and for the CPU in tests/cuda_on_cpu).
 """
@@ -229,13 +230,23 @@ def row_kernel_names():
 
 
 # ---- elementwise kernels: (in_params, out_params, operation, name) for cupy.ElementwiseKernel --
+# NVRTC contracts a product followed by a sum into one fused multiply-add (--fmad=true, the
+# default), which rounds once where the unfused ops round twice. Where a kernel must equal a
+# chain of separate array ops bit for bit, its product goes through mul_rn (rounded on its
+# own, never contracted); ELEMENTWISE_PREAMBLE is compiled ahead of every elementwise kernel.
+ELEMENTWISE_PREAMBLE = """
+template <typename T> __device__ T mul_rn(T a, T b) { return a * b; }
+template <> __device__ float mul_rn<float>(float a, float b) { return __fmul_rn(a, b); }
+template <> __device__ double mul_rn<double>(double a, double b) { return __dmul_rn(a, b); }
+"""
 ELEMENTWISE_SPECS = {
-    # mask = [u >= rate] / (1 - rate),  y = x + f * mask   (ops.py Dropout on f, then x + f)
+    # mask = [u >= rate] / (1 - rate),  y = x + f * mask   (ops.py Dropout on f, then x + f:
+    # the product rounded before the sum, as the two ops round it)
     "dropout_residual": (
         "T x, T f, T u, T rate, T scale",
         "T y, T mask",
         "mask = u >= rate ? scale : T(0);\n"
-        "y = x + f * mask;",
+        "y = x + mul_rn(f, mask);",
         "minitransformer_dropout_residual"),
     # g' = g + wd p;  m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2;
     # p -= (lr / c1) m / (sqrt(v / c2) + eps)   (optim/adam.py, with inv_c2 = 1 / c2)

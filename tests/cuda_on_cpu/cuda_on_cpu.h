@@ -413,6 +413,10 @@ extern "C" const char* sim_error() { return sim::error_text; }
 #define __global__
 #define __device__
 #define __forceinline__ inline
+// products rounded on their own: never contracted with a following sum into an FMA (the
+// compiler contracts elsewhere, as NVRTC does; kernels.py)
+__attribute__((noinline)) inline float __fmul_rn(float a, float b) { return a * b; }
+__attribute__((noinline)) inline double __dmul_rn(double a, double b) { return a * b; }
 // `__shared__ T name[N];` is rewritten by the harness (kernels.py) into a static array that
 // the first thread of each block to reach it poisons; any other use is a plain static.
 #define __shared__ static

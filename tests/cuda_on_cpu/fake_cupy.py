@@ -536,9 +536,9 @@ class ElementwiseKernel:
                  preamble="", no_return=False, return_tuple=False, loop_prep="",
                  after_loop=""):
         from . import kernels
-        if preamble or loop_prep or after_loop:
-            raise NotImplementedError("preamble / loop_prep / after_loop in the stand-in")
-        self._k = kernels.ElementwiseKernel(in_params, out_params, operation, name)
+        if loop_prep or after_loop:
+            raise NotImplementedError("loop_prep / after_loop in the stand-in")
+        self._k = kernels.ElementwiseKernel(in_params, out_params, operation, name, preamble)
 
     def __call__(self, *args, **kwargs):
         _check_keywords("cupy.ElementwiseKernel.__call__",

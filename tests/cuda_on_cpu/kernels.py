@@ -8,8 +8,12 @@
   NumPy scalars by value. Each argument is checked against the kernel's C++ parameter (a
   pointer to the array's element size and kind, a scalar of the exact type), which a GPU
   does not do: a wrong scalar width there is a silent wrong answer.
-- ``ElementwiseKernel(in_params, out_params, operation, name)``: the operation, in a loop
-  over the broadcast inputs, compiled per dtype; called like CuPy's.
+- ``ElementwiseKernel(in_params, out_params, operation, name, preamble)``: the operation, in
+  a loop over the broadcast inputs, compiled per dtype after the preamble; called like CuPy's.
+- Products followed by sums are contracted into fused multiply-adds, as NVRTC does by default
+  (``--fmad=true``), where the host CPU has FMA instructions: a kernel that must equal
+  separate array ops bit for bit has to round its products itself (``__fmul_rn``), here as
+  on a GPU. ``CUDA_ON_CPU_FMA=0`` compiles without contraction.
 A kernel error (divergent barrier, shuffle, deadlock) raises :class:`KernelError` with the
 header's message.
 
@@ -45,7 +49,25 @@ def _cxx():
 
 
 def _cxxflags():
-    return shlex.split(os.environ.get("CUDA_ON_CPU_CXXFLAGS", "-O1 -g"))
+    return shlex.split(os.environ.get("CUDA_ON_CPU_CXXFLAGS", "-O1 -g")) + _fma_flags()
+
+
+def _fma_flags():
+    """Contract a * b + c into one fused multiply-add where NVRTC would (it does by default),
+    when this CPU has the instruction (x86-64 with FMA, or 64-bit Arm): GCC forms them with
+    -ffp-contract=fast in its -fexpensive-optimizations passes."""
+    if os.environ.get("CUDA_ON_CPU_FMA", "1") == "0":
+        return []
+    contract = ["-ffp-contract=fast", "-fexpensive-optimizations"]
+    import platform
+    if platform.machine() in ("aarch64", "arm64"):
+        return contract
+    try:
+        with open("/proc/cpuinfo") as f:
+            has_fma = any(line.startswith("flags") and " fma " in line + " " for line in f)
+    except OSError:
+        has_fma = False
+    return ["-mfma", *contract] if has_fma else []
 
 
 _order_override = None
@@ -248,7 +270,7 @@ class ElementwiseKernel:
     """cupy.ElementwiseKernel for type-generic parameters ('T x, T y'), the form the project
     uses: every argument, array or NumPy scalar, has the one dtype T."""
 
-    def __init__(self, in_params, out_params, operation, name="kernel"):
+    def __init__(self, in_params, out_params, operation, name="kernel", preamble=""):
         def parse(s):
             params = [p.split() for p in s.split(",") if p.strip()]
             for p in params:
@@ -257,7 +279,7 @@ class ElementwiseKernel:
                                               "harness supports 'T name' parameters only")
             return [p[1] for p in params]
         self.ins, self.outs = parse(in_params), parse(out_params)
-        self.operation, self.name = operation, name
+        self.operation, self.name, self.preamble = operation, name, preamble
         self._fns = {}
 
     def _fn(self, dtype):
@@ -265,7 +287,7 @@ class ElementwiseKernel:
             args = [f"const T* in_{n}" for n in self.ins] + [f"T* out_{n}" for n in self.outs]
             loads = [f"const T {n} = in_{n}[i];" for n in self.ins] + \
                     [f"T& {n} = out_{n}[i];" for n in self.outs]
-            src = (f'#include "cuda_on_cpu.h"\ntypedef {CTYPE[dtype]} T;\n'
+            src = (f'#include "cuda_on_cpu.h"\ntypedef {CTYPE[dtype]} T;\n{self.preamble}\n'
                    f'extern "C" void run({", ".join(args)}, long long n) {{\n'
                    "  for (long long i = 0; i < n; ++i) {\n    " + "\n    ".join(loads) +
                    f'\n#line 1 "{self.name} operation"\n{self.operation}\n  }}\n}}\n')
