@@ -5,7 +5,9 @@ import sys
 from minitransformer import configure_process
 
 if __name__ == "__main__":
-    configure_process()  # BLAS, malloc and TF32 settings, before NumPy loads
+    # BLAS and malloc settings before NumPy loads; full float32 products on a GPU (no TF32),
+    # so that a GPU gives the CPU's translations (CUPY_TF32=1 in the environment wins)
+    configure_process(tf32=False)
     from minitransformer.mt.translate import main
 
     sys.exit(main())

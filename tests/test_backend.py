@@ -243,8 +243,12 @@ def test_import_has_no_side_effects_and_configure_process_opts_in():
         "mt.Tensor([1.0]); mt.nn.Linear\n"
         "untouched = dict(os.environ) == before\n"
         "mt.configure_process()\n"
-        "print(json.dumps([lazy, untouched, os.environ.get('CUPY_TF32')]))\n")
+        "tf32 = os.environ.get('CUPY_TF32')\n"
+        "decoding = {}; mt.configure_process(decoding, tf32=False)\n"
+        "mine = {'CUPY_TF32': '1'}; mt.configure_process(mine, tf32=False)\n"
+        "print(json.dumps([lazy, untouched, tf32, decoding['CUPY_TF32'], mine['CUPY_TF32']]))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("CUPY_TF32", "OPENBLAS_CORETYPE")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
-    assert json.loads(out) == [True, True, "1"]
+    # TF32 for training; translate.py's tf32=False: full float32 unless the user set it
+    assert json.loads(out) == [True, True, "1", "0", "1"]

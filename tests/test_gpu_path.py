@@ -98,17 +98,29 @@ def test_train_py_device_cuda_float16_learns_and_stays_near_float32(tmp_path, cp
     assert _relative_distance(d16, d32) < 0.1
 
 
+def _translate_py_cuda(*flags):
+    """translate.py --device cuda in a process of its own, as a user runs it (through
+    tests/cuda_on_cpu/run.py on the stand-in) -> its output lines. On a real GPU that process
+    multiplies in full float32 (translate.py's default; this test process imported CuPy with
+    TF32 on, which reorders near-tied beam hypotheses: 9 of these 40 beam-4 lines on an H200)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUPY_TF32"}
+    launcher = [] if REAL_GPU else [os.path.join(ROOT, "tests", "cuda_on_cpu", "run.py")]
+    proc = subprocess.run([sys.executable, *launcher, os.path.join(ROOT, "translate.py"), *flags,
+                           "--device", "cuda"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
 def test_translate_py_device_cuda_gives_the_cpu_translations(cpu_run, capsys):
     """Greedy and beam search on the device: the same output lines as on the CPU."""
     run, _ = cpu_run
     src = os.path.join(run, "data", "valid.src")  # 40 sentences (small_corpus)
     for beam in ("1", "4"):
-        outs = []
-        for device in ("cpu", "cuda"):
-            assert translate_cli.main(["--run-dir", str(run), "--input", src, "--beam", beam,
-                                       "--device", device]) == 0
-            outs.append(capsys.readouterr().out.splitlines())
-        assert len(outs[0]) == 40 and outs[0] == outs[1], f"beam {beam}"
+        flags = ["--run-dir", str(run), "--input", src, "--beam", beam]
+        assert translate_cli.main(flags + ["--device", "cpu"]) == 0
+        cpu = capsys.readouterr().out.splitlines()
+        assert len(cpu) == 40 and cpu == _translate_py_cuda(*flags), f"beam {beam}"
 
 
 @pytest.mark.skipif(REAL_GPU, reason="the stand-in's run; on a GPU run bench.py itself")
