@@ -4,9 +4,12 @@
     echo "the small dog sees a cat" | python translate.py --run-dir runs/default
     python translate.py --run-dir runs/ende --input test2016.en --reference test2016.de \\
         --average-last 5
+    python translate.py --run-dir runs/a --ensemble runs/b --average-last 5 --input test.en
 
 Every input line gives one output line (an empty line an empty one). A line longer than the
 model's positions is translated from its first pieces, with a warning naming the line.
+With --ensemble, the models of several runs of one vocabulary decode together, each token
+scored by the mean of their log-probabilities (ensemble.py).
 """
 import argparse
 import os
@@ -17,6 +20,7 @@ from .. import backend
 from ..nn.transformer import Transformer, TransformerConfig
 from . import checkpoint as ckpt
 from .data import DataError, read_lines
+from .ensemble import Ensemble
 from .ranges import add_number
 from .rundir import RunDir
 from .tokenizer import Tokenizer
@@ -54,6 +58,12 @@ def build_parser():
     add_number(p, "--average-last", int, ">= 0", default=0,
                help="average the run's last N periodic checkpoints (the paper uses 5; "
                     "0 = don't)")
+    p.add_argument("--ensemble", nargs="+", metavar="RUN_DIR", default=None,
+                   help="more training runs whose models decode together with --run-dir's, "
+                        "each token scored by the mean of their log-probabilities; each is "
+                        "loaded as --run-dir is (--average-last N, else its best or last "
+                        "checkpoint; --checkpoint is --run-dir's alone); all must share "
+                        "--run-dir's spm.model")
     p.add_argument("--input", default="-", help="text file, one sentence per line "
                                                 "(default '-' = stdin)")
     add_search_flags(p)
@@ -118,23 +128,32 @@ def check_device(device):
 
 
 def check_run_dir(args):
-    """Refuse a --run-dir or --checkpoint that cannot be translated with, before any work."""
-    path = args.run_dir
+    """Refuse a --run-dir, --ensemble run or --checkpoint that cannot be translated with,
+    before any work."""
+    _check_one_run_dir(args.run_dir, "--run-dir", args)
+    for path in args.ensemble or ():
+        _check_one_run_dir(path, "--ensemble", args)
+    if args.ensemble and args.plot_attention:
+        raise UsageError("--plot-attention draws one model's attention: leave out --ensemble "
+                         "(or --plot-attention)")
+
+
+def _check_one_run_dir(path, flag, args):
     if not os.path.exists(path):
-        raise UsageError(f"--run-dir {path}: no such directory; give the directory train.py "
+        raise UsageError(f"{flag} {path}: no such directory; give the directory train.py "
                          "wrote (its --run-dir)")
     if not os.path.isdir(path):
-        raise UsageError(f"--run-dir {path}: not a directory; give the directory train.py "
+        raise UsageError(f"{flag} {path}: not a directory; give the directory train.py "
                          "wrote (its --run-dir), and a checkpoint file with --checkpoint")
     rd = RunDir(path)
     if not os.path.isfile(rd.spm_model):
-        raise UsageError(f"--run-dir {path}: no spm.model; is it a training run directory? "
+        raise UsageError(f"{flag} {path}: no spm.model; is it a training run directory? "
                          "(train.py writes spm.model there before the first update)")
     if args.average_last:
         if not rd.periodic_checkpoints():
             raise UsageError(f"--average-last {args.average_last}: no checkpoint_<update>.npz "
                              f"in {path}; train with --save-every, or leave out --average-last")
-    elif args.checkpoint:
+    elif args.checkpoint and flag == "--run-dir":
         for c in args.checkpoint:
             if not os.path.exists(c):
                 raise UsageError(f"--checkpoint {c}: no such file; check the path")
@@ -145,8 +164,15 @@ def check_run_dir(args):
             except ckpt.CheckpointError as exc:
                 raise UsageError(f"--checkpoint {exc}") from None
     elif not (os.path.isfile(rd.best) or os.path.isfile(rd.last)):
-        raise UsageError(f"--run-dir {path}: no checkpoint_best.npz or checkpoint_last.npz; "
-                         "train first (or wait for the first save), or give --checkpoint FILE")
+        raise UsageError(f"{flag} {path}: no checkpoint_best.npz or checkpoint_last.npz; "
+                         "train first (or wait for the first save)"
+                         + (", or give --checkpoint FILE" if flag == "--run-dir" else ""))
+    if flag == "--ensemble":
+        main_spm = RunDir(args.run_dir).spm_model
+        if ckpt.file_sha256(rd.spm_model) != ckpt.file_sha256(main_spm):
+            raise UsageError(f"--ensemble {path}: its spm.model differs from {main_spm}; the "
+                             "models of an ensemble must share one vocabulary (train.py "
+                             "builds the same one from the same --data and vocabulary flags)")
 
 
 def check_plot_dir(path):
@@ -244,13 +270,29 @@ def _check_and_read(args, device):
 
 
 def load_for_translation(args, device):
-    """load_model with the command line's run and checkpoints, its errors as UsageErrors."""
+    """load_model with the command line's run and checkpoints, its errors as UsageErrors;
+    with --ensemble, an Ensemble of its model and theirs. -> (model, tokenizer, what)."""
+    loaded = [_load(args.run_dir, args.checkpoint, args, device)]
+    for path in args.ensemble or ():
+        loaded.append(_load(path, None, args, device))
+    if len(loaded) == 1:
+        return loaded[0]
     try:
-        return load_model(args.run_dir, args.checkpoint, args.average_last, device)
+        model = Ensemble([m for m, _, _ in loaded])
+    except ValueError as exc:
+        raise UsageError(f"--ensemble: {exc}") from None
+    what = f"ensemble of {len(loaded)}: " + "; ".join(
+        f"{path}: {w}" for path, (_, _, w) in zip([args.run_dir, *args.ensemble], loaded))
+    return model, loaded[0][1], what
+
+
+def _load(path, checkpoints, args, device):
+    try:
+        return load_model(path, checkpoints, args.average_last, device)
     except (ckpt.CheckpointError, DataError) as exc:
         raise UsageError(str(exc)) from None
     except (RuntimeError, ValueError) as exc:  # the device, or a config the model refuses
-        raise UsageError(f"loading {args.run_dir} on --device {device}: {exc}") from None
+        raise UsageError(f"loading {path} on --device {device}: {exc}") from None
 
 
 def _truncation_warning(name, cfg):

@@ -1,0 +1,161 @@
+"""Ensemble decoding (mt/ensemble.py): the searches on an Ensemble against a search written out
+from the members' plain forward passes, and translate.py --ensemble end to end."""
+import numpy as np
+import pytest
+
+from minitransformer.mt import checkpoint as ckpt
+from minitransformer.mt import translate as translate_cli
+from minitransformer.mt.ensemble import Ensemble
+from minitransformer.mt.search import _length_penalty, beam_search, greedy_search
+from minitransformer.nn.transformer import Transformer, TransformerConfig
+
+from conftest import synthetic_tokenizer, untrained_run
+
+CFG = TransformerConfig(vocab_size=30, d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0)
+
+
+def _models(n, seed=3, **cfg):
+    models = [Transformer(TransformerConfig(**{**CFG.__dict__, **cfg}), seed=seed + i,
+                          dtype=np.float64) for i in range(n)]
+    for m in models:
+        m.eval()
+    return models
+
+
+def _src():
+    src = np.random.default_rng(0).integers(4, 30, (5, 6))
+    src[1, 4:] = 0  # padding
+    src[3, 2:] = 0
+    return src
+
+
+def _mean_log_probs(models, src, history):
+    """The ensemble's scores of the next token after ``history`` (B, t), from each member's
+    plain forward pass (no cache): the mean of their log-softmaxes, renormalised."""
+    total = 0.0
+    for m in models:
+        memory, mask = m.encode(src)
+        z = m.logits(m.decode(history, memory, mask)).data[:, -1]
+        total = total + (z - z.max(1, keepdims=True)
+                         - np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)))
+    s = total / len(models)
+    return s - s.max(1, keepdims=True) - np.log(np.exp(s - s.max(1, keepdims=True))
+                                                .sum(1, keepdims=True))
+
+
+def _greedy_by_hand(models, src, max_len):
+    """Greedy decoding written out with full forward passes, one sentence at a time."""
+    cfg = models[0].cfg
+    out = []
+    for b in range(src.shape[0]):
+        hist = [cfg.bos_id]
+        while len(hist) - 1 < max_len[b]:
+            s = _mean_log_probs(models, src[b:b + 1], np.array([hist]))[0]
+            s[[cfg.pad_id, cfg.bos_id]] = -np.inf
+            tok = int(np.argmax(s))
+            if tok == cfg.eos_id:
+                break
+            hist.append(tok)
+        out.append(hist[1:])
+    return out
+
+
+def test_greedy_on_an_ensemble_equals_greedy_written_out_from_the_members():
+    models = _models(3)
+    src = _src()
+    limit = (src != 0).sum(1) + 4
+    got = greedy_search(Ensemble(models), src, max_len_a=4)
+    assert got == _greedy_by_hand(models, src, limit)
+    # and it is not simply one member's search
+    assert any(got != greedy_search(m, src, max_len_a=4) for m in models)
+
+
+def test_beam_scores_on_an_ensemble_are_the_mean_log_probabilities_of_the_hypothesis():
+    """Every finished hypothesis's score is its summed ensemble log-probability (from the
+    members' plain forward passes) over its length penalty."""
+    models = _models(2)
+    src = _src()
+    results = beam_search(Ensemble(models), src, beam=3, alpha=0.6, max_len_a=5,
+                          return_all=True)
+    eos = CFG.eos_id
+    checked = 0
+    for b, hyps in enumerate(results):
+        for score, tokens in hyps:
+            ends = len(tokens) < (src[b] != 0).sum() + 5
+            seq = [CFG.bos_id] + tokens + ([eos] if ends else [])
+            logp = sum(_mean_log_probs(models, src[b:b + 1], np.array([seq[:t + 1]]))[0][
+                seq[t + 1]] for t in range(len(seq) - 1))
+            want = logp / _length_penalty(len(tokens), 0.6, "gnmt", ends=ends)
+            assert score == pytest.approx(want, rel=1e-10, abs=1e-10), (b, tokens)
+            checked += 1
+    assert checked >= 2 * src.shape[0]
+
+
+def test_an_ensemble_of_one_searches_as_its_model():
+    (model,) = _models(1)
+    src = _src()
+    assert greedy_search(Ensemble([model]), src) == greedy_search(model, src)
+    a = beam_search(Ensemble([model]), src, beam=4, return_all=True)
+    b = beam_search(model, src, beam=4, return_all=True)
+    assert [[t for _, t in h] for h in a] == [[t for _, t in h] for h in b]
+    np.testing.assert_allclose([s for h in a for s, _ in h], [s for h in b for s, _ in h],
+                               rtol=1e-12)
+
+
+def test_members_must_share_the_vocabulary_and_positions_are_the_smallest():
+    a, = _models(1)
+    b, = _models(1, vocab_size=31)
+    with pytest.raises(ValueError, match="vocab_size 31.*share one vocabulary"):
+        Ensemble([a, b])
+    c, = _models(1, max_positions=12)
+    assert Ensemble([a, c]).cfg.max_positions == 12
+    with pytest.raises(ValueError, match="at least one"):
+        Ensemble([])
+
+
+# ---- translate.py --ensemble ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two untrained runs of one sentencepiece model (different seeds), and one of another."""
+    base = tmp_path_factory.mktemp("ens")
+    tok, corpus = synthetic_tokenizer(base, n_valid=12)
+    a = untrained_run(base / "a", tok)
+    b_model = Transformer(a.cfg, seed=11)
+    (base / "b").mkdir()
+    (base / "b" / "spm.model").write_bytes((base / "a" / "spm.model").read_bytes())
+    ckpt.save_checkpoint(str(base / "b" / "checkpoint_last.npz"), b_model, None,
+                         {"spm_sha256": ckpt.file_sha256(str(base / "b" / "spm.model"))})
+    (base / "x").mkdir()
+    other_tok, _ = synthetic_tokenizer(base / "x", n_valid=2, seed=99)
+    untrained_run(base / "other", other_tok)
+    src = base / "in.txt"
+    src.write_text("\n".join(corpus["valid"][0]) + "\n", encoding="utf-8")
+    return base, str(src), len(corpus["valid"][0])
+
+
+def test_translate_py_ensemble_translates_with_both_models(runs, capsys):
+    base, src, n = runs
+    outs = {}
+    for name, flags in (("a", []), ("b", []), ("ab", ["--ensemble", str(base / "b")])):
+        run = base / ("b" if name == "b" else "a")
+        assert translate_cli.main(["--run-dir", str(run), "--input", src, "--beam", "2",
+                                   "--workers", "1", *flags]) == 0
+        outs[name] = capsys.readouterr().out.splitlines()
+    assert len(outs["ab"]) == n
+    assert outs["ab"] != outs["a"] and outs["ab"] != outs["b"]
+
+
+def test_translate_py_ensemble_refuses_another_vocabulary_or_a_missing_run(runs, capsys):
+    base, src, _ = runs
+    code = translate_cli.main(["--run-dir", str(base / "a"), "--input", src,
+                               "--ensemble", str(base / "other")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--ensemble {base / 'other'}: its spm.model differs" in err, err
+    code = translate_cli.main(["--run-dir", str(base / "a"), "--input", src,
+                               "--ensemble", str(base / "nowhere")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--ensemble" in err and "no such directory" in err, err
+    code = translate_cli.main(["--run-dir", str(base / "a"), "--input", src, "--ensemble",
+                               str(base / "b"), "--plot-attention", str(base / "maps")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--plot-attention" in err and "--ensemble" in err, err
