@@ -64,7 +64,7 @@ def _fma_flags():
         return contract
     try:
         with open("/proc/cpuinfo") as f:
-            has_fma = any(line.startswith("flags") and " fma " in line + " " for line in f)
+            has_fma = any(line.startswith("flags") and "fma" in line.split() for line in f)
     except OSError:
         has_fma = False
     return ["-mfma", *contract] if has_fma else []
