@@ -129,11 +129,13 @@ def check_device(device):
 
 def check_run_dir(args):
     """Refuse a --run-dir, --ensemble run or --checkpoint that cannot be translated with,
-    before any work."""
+    before any work. (The explorer and the exporter share it: their flags have no
+    --ensemble.)"""
+    ensemble = getattr(args, "ensemble", None)
     _check_one_run_dir(args.run_dir, "--run-dir", args)
-    for path in args.ensemble or ():
+    for path in ensemble or ():
         _check_one_run_dir(path, "--ensemble", args)
-    if args.ensemble and args.plot_attention:
+    if ensemble and getattr(args, "plot_attention", None):
         raise UsageError("--plot-attention draws one model's attention: leave out --ensemble "
                          "(or --plot-attention)")
 
@@ -273,7 +275,7 @@ def load_for_translation(args, device):
     """load_model with the command line's run and checkpoints, its errors as UsageErrors;
     with --ensemble, an Ensemble of its model and theirs. -> (model, tokenizer, what)."""
     loaded = [_load(args.run_dir, args.checkpoint, args, device)]
-    for path in args.ensemble or ():
+    for path in getattr(args, "ensemble", None) or ():
         loaded.append(_load(path, None, args, device))
     if len(loaded) == 1:
         return loaded[0]
