@@ -27,6 +27,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -59,15 +60,19 @@ def _fma_flags():
     if os.environ.get("CUDA_ON_CPU_FMA", "1") == "0":
         return []
     contract = ["-ffp-contract=fast", "-fexpensive-optimizations"]
-    import platform
     if platform.machine() in ("aarch64", "arm64"):
         return contract
+    return ["-mfma", *contract] if _cpu_has_fma() else []
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_has_fma():
+    """Whether /proc/cpuinfo lists the x86 fma flag (read once: every build asks)."""
     try:
         with open("/proc/cpuinfo") as f:
-            has_fma = any(line.startswith("flags") and "fma" in line.split() for line in f)
+            return any(line.startswith("flags") and "fma" in line.split() for line in f)
     except OSError:
-        has_fma = False
-    return ["-mfma", *contract] if has_fma else []
+        return False
 
 
 _order_override = None
