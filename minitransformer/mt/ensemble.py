@@ -23,8 +23,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-from ..engine.softmax import log_softmax
-from ..engine.tensor import Tensor, no_grad
 from ..nn.transformer import Transformer
 
 # what every member must agree on: the same token ids mean the same pieces
@@ -66,9 +64,6 @@ class Ensemble:
         self.cfg = dataclasses.replace(first.cfg, max_positions=min(
             m.cfg.max_positions for m in models))
 
-    def __len__(self):
-        return len(self.models)
-
     def xp(self):
         return self.models[0].xp()
 
@@ -90,9 +85,9 @@ class Ensemble:
         return EnsembleState([m.start_decoding(src, beams=beams, max_length=max_length)
                               for m in self.models])
 
-    def next_scores(self, last: Any, state: EnsembleState, log_probs: bool = False) -> Any:
+    def next_scores(self, last: Any, state: EnsembleState) -> Any:
         """Feed the newest tokens ``last`` (R, 1) to every member -> (R, V): the mean of
-        their log-probabilities (renormalised to log-probabilities with ``log_probs``)."""
+        their log-probabilities (the search normalises it, as it does one model's logits)."""
         total = None
         for m, member_state in zip(self.models, state.members):
             lp = m.next_scores(last, member_state, log_probs=True)
@@ -101,9 +96,6 @@ class Ensemble:
             else:
                 total += lp
         total /= len(self.models)
-        if log_probs:
-            with no_grad():
-                total = log_softmax(Tensor(total)).data
         return total
 
 
