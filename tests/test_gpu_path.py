@@ -123,6 +123,24 @@ def test_translate_py_device_cuda_gives_the_cpu_translations(cpu_run, capsys):
         assert len(cpu) == 40 and cpu == _translate_py_cuda(*flags), f"beam {beam}"
 
 
+def test_translate_py_ensemble_on_the_device_gives_the_cpu_translations(cpu_run, tmp_path,
+                                                                       capsys):
+    """--ensemble on the device: two models' mean log-probabilities, beam 4, the same output
+    lines as on the CPU."""
+    run, _ = cpu_run
+    other = tmp_path / "seed2"
+    _train(other, "--device", "cpu", "--seed", "2")
+    capsys.readouterr()
+    src = os.path.join(run, "data", "valid.src")
+    flags = ["--run-dir", str(run), "--ensemble", str(other), "--input", src, "--beam", "4"]
+    assert translate_cli.main(flags + ["--device", "cpu"]) == 0
+    cpu = capsys.readouterr().out.splitlines()
+    assert translate_cli.main(["--run-dir", str(run), "--input", src, "--beam", "4",
+                               "--device", "cpu"]) == 0
+    assert cpu != capsys.readouterr().out.splitlines()  # (the second model counts)
+    assert len(cpu) == 40 and cpu == _translate_py_cuda(*flags)
+
+
 @pytest.mark.skipif(REAL_GPU, reason="the stand-in's run; on a GPU run bench.py itself")
 @pytest.mark.parametrize("precision", ["float32", "float16"])
 def test_bench_device_cuda_runs_through_on_the_stand_in(tmp_path, precision):
