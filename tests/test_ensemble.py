@@ -159,3 +159,45 @@ def test_translate_py_ensemble_refuses_another_vocabulary_or_a_missing_run(runs,
                                str(base / "b"), "--plot-attention", str(base / "maps")])
     err = capsys.readouterr().err
     assert code == 2 and "--plot-attention" in err and "--ensemble" in err, err
+
+
+def test_translate_py_record_appends_the_score_for_the_budget_plot(runs, tmp_path, capsys):
+    """--record: the ensemble's BLEU becomes --run-dir's last test record, at the minutes of
+    its longest-trained run; what the runs' metrics.jsonl held before stays as it was."""
+    import json
+    import re
+    import shutil
+
+    from minitransformer.mt import plots
+    base, src, _ = runs
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(base / "a", a)
+    shutil.copytree(base / "b", b)
+    ref = tmp_path / "ref.txt"
+    ref.write_text(open(src, encoding="utf-8").read(), encoding="utf-8")
+    flags = ["--run-dir", str(a), "--ensemble", str(b), "--input", src, "--reference",
+             str(ref), "--beam", "2", "--workers", "1", "--record"]
+    code = translate_cli.main(flags)  # no metrics.jsonl yet
+    err = capsys.readouterr().err
+    assert code == 2 and f"--record: {a / 'metrics.jsonl'}: no such metrics file" in err, err
+    (a / "metrics.jsonl").write_text(
+        json.dumps({"update": 100, "loss": 3.0, "time": 600.0}) + "\n"
+        + json.dumps({"update": 120, "valid_bleu": 1.0, "time": 700.0}) + "\n",
+        encoding="utf-8")
+    (b / "metrics.jsonl").write_text(json.dumps({"update": 90, "loss": 3.1, "time": 750.0})
+                                     + "\n", encoding="utf-8")
+    before_a, before_b = ((d / "metrics.jsonl").read_text(encoding="utf-8") for d in (a, b))
+    assert translate_cli.main(flags) == 0
+    err = capsys.readouterr().err
+    bleu = float(re.search(r"BLEU = ([\d.]+)", err).group(1))
+    after_a = (a / "metrics.jsonl").read_text(encoding="utf-8")
+    assert after_a.startswith(before_a) and after_a.count("\n") == 3
+    assert (b / "metrics.jsonl").read_text(encoding="utf-8") == before_b
+    test = plots.read_test(str(a / "metrics.jsonl"))
+    assert abs(test["test_bleu"] - bleu) < 0.005 and test["time"] == 750.0
+    assert test["update"] == 120 and test["test_split"] == "in" and test["beam"] == 2
+    assert test["ensemble"] == [str(a), str(b)] and "nrefs:1" in test["test_signature"]
+    code = translate_cli.main(["--run-dir", str(a), "--input", src, "--record"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--record" in err and "--reference" in err, err
+    assert (a / "metrics.jsonl").read_text(encoding="utf-8") == after_a

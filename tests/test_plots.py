@@ -197,7 +197,7 @@ def test_curves_errors_name_the_file(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- budgets
 
-def _budget_run(root, name, minutes, test_bleu=None):
+def _budget_run(root, name, minutes, test_bleu=None, ensemble=None):
     run = root / name
     run.mkdir()
     records = [{"update": u, "valid_loss": 3.0, "valid_bleu": b, "time": 60.0 * m}
@@ -207,6 +207,8 @@ def _budget_run(root, name, minutes, test_bleu=None):
         records.append({"update": 300, "test_split": "test2016", "test_bleu": test_bleu,
                         "test_signature": "nrefs:1", "test_checkpoints": "average of 5",
                         "beam": 4, "alpha": 1.4, "time": 60.0 * minutes})
+    if ensemble:  # (translate.py --record's, after train.py's)
+        records.append({**records[-1], "test_bleu": ensemble, "ensemble": ["a", "b"]})
     write_metrics(run / "metrics.jsonl", records)
     return str(run)
 
@@ -214,8 +216,9 @@ def _budget_run(root, name, minutes, test_bleu=None):
 def test_plot_budgets_draws_bleu_against_minutes(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     runs = [_budget_run(tmp_path, "m15", 15, 30.5), _budget_run(tmp_path, "m30", 30, 35.0),
-            _budget_run(tmp_path, "unscored", 20)]
+            _budget_run(tmp_path, "unscored", 20), _budget_run(tmp_path, "pair", 25, 33.0, 34.2)]
     assert plots.read_test(os.path.join(runs[1], "metrics.jsonl"))["test_bleu"] == 35.0
+    assert plots.read_test(os.path.join(runs[3], "metrics.jsonl"))["test_bleu"] == 34.2
     assert plots.read_test(os.path.join(runs[2], "metrics.jsonl")) is None
     out = tmp_path / "pics" / "budgets.png"
     assert plots.main(["--runs", *runs, "--output", str(out)]) == 0

@@ -114,8 +114,9 @@ def plot_curves(metrics_path, out_png):
 
 
 def read_test(path):
-    """The test score train.py logged at the end of a run (the last record with
-    "test_bleu": split, BLEU, signature, checkpoints, beam, alpha, training seconds), or
+    """The last test score on a run's record: train.py's at the end of the run, or a later
+    `translate.py --record` one (a record with "test_bleu": split, BLEU, signature,
+    checkpoints, beam, alpha, training seconds; "ensemble": the runs, for an ensemble's), or
     None for a run that has not been scored."""
     tests = [rec for rec in _records(path) if "test_bleu" in rec]
     return tests[-1] if tests else None
@@ -123,8 +124,9 @@ def read_test(path):
 
 def plot_budgets(run_dirs, out_png):
     """BLEU against minutes of training for runs of different --max-time budgets -> out_png:
-    each run's validation BLEU (greedy) as it trained, and its test BLEU (train.py's final
-    score) at the minute its training ended, the test scores joined across the runs."""
+    each run's validation BLEU (greedy) as it trained, and its last test BLEU on record
+    (train.py's final score, or a later `translate.py --record` one, an ensemble's say) at
+    the minute its training ended, the test scores joined across the runs."""
     fig = _figure(8, 4.5)
     ax = fig.subplots()
     ends = []
@@ -139,9 +141,11 @@ def plot_budgets(run_dirs, out_png):
         if test is not None:
             minutes = test["time"] / 60
             ends.append((minutes, test["test_bleu"]))
+            scored = (f"ensemble of {len(test['ensemble'])}, " if test.get("ensemble")
+                      else "")
             ax.plot([minutes], [test["test_bleu"]], "*", ms=12, color=f"C{i}",
                     label=f"{name}: {test['test_split']} {test['test_bleu']:.1f} "
-                          f"(beam {test['beam']}, {minutes:.0f} min)")
+                          f"({scored}beam {test['beam']}, {minutes:.0f} min)")
             ax.annotate(f"{test['test_bleu']:.1f}", (minutes, test["test_bleu"]),
                         textcoords="offset points", xytext=(6, -12), fontsize=8)
     if len(ends) > 1:

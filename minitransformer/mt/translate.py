@@ -12,6 +12,7 @@ With --ensemble, the models of several runs of one vocabulary decode together, e
 scored by the mean of their log-probabilities (ensemble.py).
 """
 import argparse
+import json
 import os
 import signal
 import sys
@@ -74,6 +75,12 @@ def build_parser():
                     "0 = one per core when the input fills more than one batch (default)")
     p.add_argument("--reference", help="reference file: print sacreBLEU and its signature "
                                        "to stderr")
+    p.add_argument("--record", action="store_true",
+                   help="with --reference: also append the score to --run-dir's metrics.jsonl "
+                        "as a test record (what train.py writes at the end of a run), which "
+                        "`python -m minitransformer.mt.plots --runs` draws against minutes of "
+                        "training; with --ensemble, the ensemble's score, at the minutes of "
+                        "its longest-trained run")
     p.add_argument("--plot-attention", metavar="DIR",
                    help="write attention heatmaps (every layer and head) for the input "
                         "sentences into DIR (needs matplotlib: pip install -e .[plot])")
@@ -247,7 +254,51 @@ def translate(args):
     if refs is not None:
         bleu, sig = corpus_bleu(hyps, refs)
         say(f"BLEU = {bleu:.2f}  ({what}, beam {args.beam})  {sig}")
+        if args.record:
+            _record_score(args, bleu, sig, what)
     return 0
+
+
+def _training_seconds(args):
+    """-> ({run: its training seconds}, --run-dir's last update), from the runs'
+    metrics.jsonl; UsageError naming --record when a run has none."""
+    from .plots import PlotError, _records
+    seconds, last_update = {}, None
+    for run in [args.run_dir, *(getattr(args, "ensemble", None) or ())]:
+        path = os.path.join(run, "metrics.jsonl")
+        try:
+            timed = [rec for rec in _records(path) if "time" in rec]
+        except PlotError as exc:
+            raise UsageError(f"--record: {exc}") from None
+        if not timed:
+            raise UsageError(f"--record: {path} has no record of training time "
+                             "(train.py writes one every --log-every updates)")
+        seconds[run] = max(rec["time"] for rec in timed)
+        if last_update is None:
+            last_update = max(rec["update"] for rec in timed)
+    return seconds, last_update
+
+
+def _record_score(args, bleu, sig, what):
+    """--record: the score as a test record on --run-dir's metrics.jsonl (one line, appended:
+    what train.py wrote before it stays as it was)."""
+    seconds, update = _training_seconds(args)
+    name = "stdin" if args.input == "-" else os.path.basename(args.input)
+    record = {"update": update, "test_split": os.path.splitext(name)[0], "test_bleu": bleu,
+              "test_signature": sig, "test_checkpoints": what, "beam": args.beam,
+              "alpha": args.alpha, "length_penalty": args.length_penalty,
+              "time": max(seconds.values()), "recorded_by": "translate.py"}
+    if len(seconds) > 1:
+        record["ensemble"] = list(seconds)
+    path = os.path.join(args.run_dir, "metrics.jsonl")
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as exc:
+        say(f"warning: --record: could not append to {path} ({exc.strerror}); the score is "
+            "the line above")
+        return
+    say(f"recorded in {path}")
 
 
 def _input_name(args):
@@ -264,6 +315,11 @@ def _check_and_read(args, device):
         check_plot_dir(args.plot_attention)
     lines = read_text("--input", args.input)
     refs = read_text("--reference", args.reference) if args.reference else None
+    if getattr(args, "record", False):
+        if refs is None:
+            raise UsageError("--record appends the BLEU score to the run's metrics.jsonl: "
+                             "give the --reference to score against")
+        _training_seconds(args)  # (each run has its training time on record)
     if refs is not None and len(refs) != len(lines):
         raise UsageError(f"--reference {args.reference} has {len(refs)} lines, the input "
                          f"{_input_name(args)} has {len(lines)}; "
