@@ -26,13 +26,14 @@ SMALL = TINY + ["--log-every", "1"]
 
 # ---------------------------------------------------------------------------- pure functions
 
-def naive_due(update, total, valid_every, save_every):
+def naive_due(update, total, valid_every, save_every, average_last=0):
     """What Trainer does after each update u in (update, total], and at the end of the run."""
     validations = saves = 0
+    tail = plan.tail_saves(total, average_last, save_every, valid_every)
     for u in range(update + 1, total + 1):
         if valid_every and u % valid_every == 0:
             validations += 1
-        elif save_every and u % save_every == 0:
+        elif (save_every and u % save_every == 0) or u in tail:
             saves += 1
     if valid_every and total % valid_every != 0:
         validations += 1
@@ -41,12 +42,27 @@ def naive_due(update, total, valid_every, save_every):
     return validations, saves
 
 
-@pytest.mark.parametrize("valid_every,save_every", [(0, 0), (20, 0), (20, 8), (0, 7), (10, 25)])
-def test_due_counts_the_validations_and_checkpoints_the_trainer_runs(valid_every, save_every):
+@pytest.mark.parametrize("valid_every,save_every,average_last",
+                         [(0, 0, 0), (20, 0, 0), (20, 8, 0), (0, 7, 0), (10, 25, 0),
+                          (20, 25, 3), (0, 30, 5), (10, 0, 2), (20, 8, 4)])
+def test_due_counts_the_validations_and_checkpoints_the_trainer_runs(valid_every, save_every,
+                                                                      average_last):
     for update in (0, 3, 40, 41):
         for total in range(update, update + 130):
-            got = plan.due(update, total, valid_every, save_every)
-            assert got == naive_due(update, total, valid_every, save_every), (update, total)
+            got = plan.due(update, total, valid_every, save_every, average_last)
+            assert got == naive_due(update, total, valid_every, save_every, average_last), \
+                (update, total)
+
+
+def test_tail_saves_keep_the_averaged_checkpoints_in_the_last_quarter():
+    # the Multi30k recipe (save every 200, average 5): an hour's ~3800 updates need none
+    assert plan.tail_saves(3800, 5, 200, 500) == []
+    assert plan.tail_saves(930, 5, 30, 500) == []  # (saves 30 apart already do)
+    # 15 minutes, ~930 updates: 4 more, 46 apart, before the closing checkpoint at 930
+    assert plan.tail_saves(930, 5, 200, 500) == [746, 792, 838, 884]
+    assert plan.tail_saves(930, 5, 0, 0) == [746, 792, 838, 884, 930]  # (no validation set)
+    assert plan.tail_saves(930, 0, 200, 500) == [] and plan.tail_saves(930, 1, 200, 500) == []
+    assert plan.tail_saves(3, 5, 200, 0) == [1, 2, 3]
 
 
 def test_plan_is_the_largest_number_of_updates_within_the_budget():
@@ -233,6 +249,29 @@ def test_a_run_ends_annealed_at_the_planned_update_within_the_budget(tmp_path, c
     out = capsys.readouterr().out
     assert "plan: " in out and "re-plan at update" in out
     assert f"reached the {final} updates planned for --max-time 1.5 min" in out
+
+
+def test_a_planned_run_averages_checkpoints_from_the_end_of_its_plan(tmp_path, capsys,
+                                                                     monkeypatch):
+    """--save-every 40 with --average-last 3 would average updates ~80 apart in a ~150-update
+    plan: the run also saves at the plan's tail_saves, and the 3 it averages for its test
+    score lie in the last quarter."""
+    run, clock = str(tmp_path / "run"), FakeClock()
+    flags = ["--save-every", "40", "--average-last", "3", "--keep-last", "3",
+             "--test-split", "test"]
+    assert train(run, clock, monkeypatch, *flags) == 0
+    final = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"]
+    kept = sorted(int(f[len("checkpoint_"):-4]) for f in os.listdir(run)
+                  if f.startswith("checkpoint_") and f[len("checkpoint_"):-4].isdigit())
+    assert kept[-1] == final and len(kept) == 3 and kept[0] >= 0.75 * final, kept
+    tail = plan.tail_saves(final, 3, 40, 20)
+    extra = [u for u in kept[:-1] if u % 20 and u % 40]  # neither validation nor --save-every
+    assert extra and set(extra) <= set(tail), (kept, tail)
+    assert 1080.0 <= clock.t <= 1090.0  # the extra saves were planned for
+    out = capsys.readouterr().out
+    assert "checkpoints for --average-last 3 also at updates" in out
+    test = [r for r in records(run) if "test_bleu" in r][-1]
+    assert test["test_checkpoints"] == "average of 3 checkpoints"  # (the 3 kept)
 
 
 def test_a_stopped_and_resumed_run_follows_the_uninterrupted_plan_exactly(tmp_path):

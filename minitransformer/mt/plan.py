@@ -42,6 +42,10 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
   schedule gets a new piece [u, lr(u), N'] starting from the rate of the last update, so the
   rate stays continuous (before the warm-up ends only N changes). The run stops after update
   N, whose rate is 0.
+* **Checkpoints to average.** With ``--average-last n`` the test score averages the run's
+  last n periodic checkpoints. When ``--save-every`` spaces them so far apart that they would
+  reach back beyond the last quarter of the plan (a short budget), the run also saves at n - 1
+  updates total/4n apart before its last (``tail_saves``), and plans their time as S's.
 * **Resume.** The pieces and the measurements are saved in every checkpoint (meta "plan"):
   lr(u) is exact after a resume, and later plans continue from the run's own elapsed time.
 """
@@ -57,17 +61,37 @@ RESERVE = 3  # updates' time kept free at the end (the last updates vary in leng
 WARMUP_FLOOR, WARMUP_MOST = 500, 0.4  # an unchosen warm-up: at least 500, at most 40% of N
 
 
-def due(update, total, valid_every=0, save_every=0):
+def tail_saves(total, average_last, save_every, valid_every=0):
+    """The checkpoints a planned run adds for ``--average-last n``, so that the n it averages
+    lie in the last quarter of the plan, where the rate has fallen below a quarter of its
+    peak: none when the periodic ones do ((n - 1) ``save_every`` <= total / 4), else the n - 1
+    updates total - k s (k = 1 .. n - 1, s = total // 4n) before the closing checkpoint at
+    update ``total`` (the closing validation writes it; with no validation set, ``total``
+    too). A 15-minute run of the Multi30k recipe (save every 200, about 930 updates) would
+    otherwise average checkpoints from the end of its warm-up. -> sorted updates."""
+    n = average_last
+    if n < 1 or total < 1 or (save_every and (n - 1) * save_every <= total / 4):
+        return []
+    step = max(total // (4 * n), 1)
+    first = 0 if valid_every else 1  # (k = 0: update ``total``)
+    return sorted({total - k * step for k in range(1 - first, n) if total - k * step > 0} -
+                  ({total} if valid_every else set()))
+
+
+def due(update, total, valid_every=0, save_every=0, average_last=0):
     """-> (validations, checkpoint saves) after ``update`` up to the end of a ``total``-update
     run, as Trainer runs them: a validation (with its checkpoints) at each multiple of
-    ``valid_every`` (0: no validation set), a save at each other multiple of ``save_every``,
-    and at the end a validation unless the last update had one, else a save of
-    checkpoint_last."""
+    ``valid_every`` (0: no validation set), a save at each other multiple of ``save_every``
+    and at each of ``tail_saves`` that is neither, and at the end a validation unless the
+    last update had one, else a save of checkpoint_last."""
     def multiples(k):
         return total // k - update // k if k else 0
     validations, saves = multiples(valid_every), multiples(save_every)
     if valid_every and save_every:  # a validation writes the periodic checkpoint itself
         saves -= multiples(math.lcm(valid_every, save_every))
+    saves += sum(1 for u in tail_saves(total, average_last, save_every, valid_every)
+                 if u > update and not (valid_every and u % valid_every == 0)
+                 and not (save_every and u % save_every == 0))
     if valid_every and total % valid_every:
         validations += 1
     else:
@@ -76,15 +100,15 @@ def due(update, total, valid_every=0, save_every=0):
 
 
 def remaining_seconds(update, total, rate, valid_s=0.0, save_s=0.0, valid_every=0,
-                      save_every=0):
+                      save_every=0, average_last=0):
     """Seconds from after ``update`` to the end of a ``total``-update run:
     (total - update) r + V c_v + S c_s (``due`` counts V and S)."""
-    validations, saves = due(update, total, valid_every, save_every)
+    validations, saves = due(update, total, valid_every, save_every, average_last)
     return (total - update) * rate + validations * valid_s + saves * save_s
 
 
 def plan_updates(update, elapsed, budget, rate, valid_s=0.0, save_s=0.0, valid_every=0,
-                 save_every=0, cap=0):
+                 save_every=0, cap=0, average_last=0):
     """The largest N >= ``update`` (at most ``cap`` when it is not 0) whose remaining time
     (``remaining_seconds``) and a reserve of ``RESERVE`` updates fit in ``budget - elapsed``
     seconds; ``update`` itself when none does (the run stops now)."""
@@ -96,7 +120,7 @@ def plan_updates(update, elapsed, budget, rate, valid_s=0.0, save_s=0.0, valid_e
 
     def fits(n):
         return remaining_seconds(update, n, rate, valid_s, save_s, valid_every,
-                                 save_every) <= free
+                                 save_every, average_last) <= free
     lo = update
     if not fits(lo):
         return update
@@ -130,10 +154,11 @@ class DeadlinePlan:
     (pieces and measurements) goes into every checkpoint."""
 
     def __init__(self, budget, d_model, warmup, factor=1.0, valid_every=0, save_every=0,
-                 cap=0, warmup_share=None):
+                 cap=0, warmup_share=None, average_last=0):
         self.budget, self.d_model, self.warmup, self.factor = budget, d_model, warmup, factor
         self.warmup_share = warmup_share  # the warm-up: at most this share of the first plan
         self.valid_every, self.save_every, self.cap = valid_every, save_every, cap
+        self.average_last = average_last
         peak = noam_lr(warmup, d_model, warmup, factor)
         self.pieces = [[warmup, peak, cap]] if cap else []  # today's linear decay until a plan
         self.total = cap or None  # N: the run stops after this update
@@ -148,6 +173,11 @@ class DeadlinePlan:
 
     def done(self, update):
         return self.rate is not None and update >= self.total
+
+    def saves_at(self, update):
+        """True when ``update`` is one of the plan's ``tail_saves`` (once planned)."""
+        return self.rate is not None and update in tail_saves(
+            self.total, self.average_last, self.save_every, self.valid_every)
 
     def note(self, kind):
         self.after = kind
@@ -196,7 +226,8 @@ class DeadlinePlan:
         first, old = self.next_check is None, self.total
         self.next_check = update + CHECK_EVERY
         n = plan_updates(update, elapsed, self.budget, self.rate, self.valid_s or 0.0,
-                         self.save_s or 0.0, self.valid_every, self.save_every, self.cap)
+                         self.save_s or 0.0, self.valid_every, self.save_every, self.cap,
+                         self.average_last)
         if not first and abs(n - old) <= (old - update) // 100:
             return None  # within 1% of the updates left: keep the schedule as it is
         warmup = self.warmup
@@ -220,7 +251,8 @@ class DeadlinePlan:
             self.pieces.append([update, self.lr(update), n])
 
     def _describe(self, first, update, elapsed, old):
-        validations, _ = due(update, self.total, self.valid_every, self.save_every)
+        validations, _ = due(update, self.total, self.valid_every, self.save_every,
+                             self.average_last)
         valid = f"{validations} validations{'' if first else ' to go'}"
         valid = (f"{valid} at {self.valid_s:.3g} s" if self.valid_s is not None else
                  f"{valid}, not timed yet" if self.valid_every else "no validation set")
@@ -234,6 +266,10 @@ class DeadlinePlan:
                     f"{(self.budget - elapsed) / 60:.2f} of {minutes:g} min left)")
         if self.cap and self.total == self.cap:
             text += f"; capped by --max-updates {self.cap}"
+        tail = tail_saves(self.total, self.average_last, self.save_every, self.valid_every)
+        if tail:
+            text += (f"; checkpoints for --average-last {self.average_last} also at updates "
+                     f"{', '.join(map(str, tail))}")
         record = {"update": update + 1, "plan_updates": self.total, "rate_s": self.rate,
                   "valid_s": self.valid_s, "save_s": self.save_s, "validations": validations,
                   "elapsed_s": elapsed, "budget_s": self.budget}

@@ -142,7 +142,7 @@ class Trainer:
                                      a.valid_every if self.valid is not None else 0,
                                      a.save_every, a.max_updates,
                                      warmup_share=None if "warmup" in a.explicit
-                                     else WARMUP_SHARE)
+                                     else WARMUP_SHARE, average_last=a.average_last)
         if a.resume:
             self._load(self.rd.last)
             self.saved_update = self.update
@@ -570,7 +570,8 @@ class Trainer:
         if self.valid is not None and self.update % a.valid_every == 0:
             self._validate_and_save(log)
             done = "valid"
-        elif a.save_every and self.update % a.save_every == 0:
+        elif ((a.save_every and self.update % a.save_every == 0)
+              or (self.plan is not None and self.plan.saves_at(self.update))):
             self.save(self.rd.periodic(self.update), self.rd.last)
             self.rd.prune(a.keep_last)
             done = "save"
