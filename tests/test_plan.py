@@ -58,9 +58,12 @@ def test_tail_saves_keep_the_averaged_checkpoints_in_the_last_quarter():
     # the Multi30k recipe (save every 200, average 5): an hour's ~3800 updates need none
     assert plan.tail_saves(3800, 5, 200, 500) == []
     assert plan.tail_saves(930, 5, 30, 500) == []  # (saves 30 apart already do)
-    # 15 minutes, ~930 updates: 4 more, 46 apart, before the closing checkpoint at 930
-    assert plan.tail_saves(930, 5, 200, 500) == [746, 792, 838, 884]
-    assert plan.tail_saves(930, 5, 0, 0) == [746, 792, 838, 884, 930]  # (no validation set)
+    # 15 minutes, ~930 updates: 4 more, multiples of 46, before the closing checkpoint at 930
+    assert plan.tail_saves(930, 5, 200, 500) == [782, 828, 874, 920]
+    assert plan.tail_saves(930, 5, 0, 0) == [782, 828, 874, 920, 930]  # (no validation set)
+    # a re-plan that moves the end a little keeps the points: those passed were saved
+    assert plan.tail_saves(921, 5, 200, 500) == plan.tail_saves(935, 5, 200, 500)
+    assert plan.tail_saves(920, 5, 200, 500) == [736, 782, 828, 874]
     assert plan.tail_saves(930, 0, 200, 500) == [] and plan.tail_saves(930, 1, 200, 500) == []
     assert plan.tail_saves(3, 5, 200, 0) == [1, 2, 3]
 

@@ -44,8 +44,8 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
   N, whose rate is 0.
 * **Checkpoints to average.** With ``--average-last n`` the test score averages the run's
   last n periodic checkpoints. When ``--save-every`` spaces them so far apart that they would
-  reach back beyond the last quarter of the plan (a short budget), the run also saves at n - 1
-  updates total/4n apart before its last (``tail_saves``), and plans their time as S's.
+  reach back beyond the last quarter of the plan (a short budget), the run also saves at the
+  last n - 1 multiples of N // 4n before N (``tail_saves``), and plans their time as S's.
 * **Resume.** The pieces and the measurements are saved in every checkpoint (meta "plan"):
   lr(u) is exact after a resume, and later plans continue from the run's own elapsed time.
 """
@@ -64,18 +64,19 @@ WARMUP_FLOOR, WARMUP_MOST = 500, 0.4  # an unchosen warm-up: at least 500, at mo
 def tail_saves(total, average_last, save_every, valid_every=0):
     """The checkpoints a planned run adds for ``--average-last n``, so that the n it averages
     lie in the last quarter of the plan, where the rate has fallen below a quarter of its
-    peak: none when the periodic ones do ((n - 1) ``save_every`` <= total / 4), else the n - 1
-    updates total - k s (k = 1 .. n - 1, s = total // 4n) before the closing checkpoint at
-    update ``total`` (the closing validation writes it; with no validation set, ``total``
-    too). A 15-minute run of the Multi30k recipe (save every 200, about 930 updates) would
-    otherwise average checkpoints from the end of its warm-up. -> sorted updates."""
+    peak: none when the periodic ones do ((n - 1) ``save_every`` <= total / 4), else the last
+    n - 1 multiples of s = total // 4n before the closing checkpoint at update ``total`` (the
+    closing validation writes it; with no validation set, ``total`` too). Multiples, so that
+    a re-plan that moves the end by a few updates keeps the points already saved. A
+    15-minute run of the Multi30k recipe (save every 200, about 930 updates) would otherwise
+    average checkpoints from the end of its warm-up. -> sorted updates."""
     n = average_last
     if n < 1 or total < 1 or (save_every and (n - 1) * save_every <= total / 4):
         return []
     step = max(total // (4 * n), 1)
-    first = 0 if valid_every else 1  # (k = 0: update ``total``)
-    return sorted({total - k * step for k in range(1 - first, n) if total - k * step > 0} -
-                  ({total} if valid_every else set()))
+    last = (total - 1) // step * step  # (the last multiple before ``total``)
+    points = [last - k * step for k in range(n - 1) if last - k * step > 0]
+    return sorted(points + ([] if valid_every else [total]))
 
 
 def due(update, total, valid_every=0, save_every=0, average_last=0):

@@ -260,10 +260,10 @@ def translate(args):
 
 
 def _training_seconds(args):
-    """-> ({run: its training seconds}, --run-dir's last update), from the runs'
+    """-> ([each run's training seconds], --run-dir's last update), from the runs'
     metrics.jsonl; UsageError naming --record when a run has none."""
     from .plots import PlotError, _records
-    seconds, last_update = {}, None
+    seconds, last_update = [], None
     for run in [args.run_dir, *(getattr(args, "ensemble", None) or ())]:
         path = os.path.join(run, "metrics.jsonl")
         try:
@@ -273,7 +273,7 @@ def _training_seconds(args):
         if not timed:
             raise UsageError(f"--record: {path} has no record of training time "
                              "(train.py writes one every --log-every updates)")
-        seconds[run] = max(rec["time"] for rec in timed)
+        seconds.append(max(rec["time"] for rec in timed))
         if last_update is None:
             last_update = max(rec["update"] for rec in timed)
     return seconds, last_update
@@ -287,9 +287,9 @@ def _record_score(args, bleu, sig, what):
     record = {"update": update, "test_split": os.path.splitext(name)[0], "test_bleu": bleu,
               "test_signature": sig, "test_checkpoints": what, "beam": args.beam,
               "alpha": args.alpha, "length_penalty": args.length_penalty,
-              "time": max(seconds.values()), "recorded_by": "translate.py"}
+              "time": max(seconds), "recorded_by": "translate.py"}
     if len(seconds) > 1:
-        record["ensemble"] = list(seconds)
+        record["ensemble"] = [args.run_dir, *args.ensemble]
     path = os.path.join(args.run_dir, "metrics.jsonl")
     try:
         with open(path, "a", encoding="utf-8") as f:
