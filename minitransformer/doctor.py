@@ -59,6 +59,17 @@ def _openblas_runtime():
     return None, None
 
 
+def slow_blas_note():
+    """-> one line when OpenBLAS runs its AVX2 kernels on a CPU with AVX-512 (an
+    OPENBLAS_CORETYPE the user set wins over configure_process's), else None: train.py logs
+    it at the start of a CPU run."""
+    _, lines = check_blas()
+    for status, text, fix in lines:
+        if status == "slow" and "OPENBLAS_CORETYPE" in text:
+            return f"note: {text}; for the AVX-512 ones: {fix.split('   ')[0]} or unset it"
+    return None
+
+
 def check_blas():
     import numpy as np
     lines, ok = [], True
@@ -87,7 +98,7 @@ def check_blas():
                               f"{core or 'its default'} kernels, not its AVX-512 ones "
                               "(float32 GEMM about 2x slower)",
                       "export OPENBLAS_CORETYPE=SkylakeX   (before Python starts; "
-                      "train.py and translate.py set it themselves)"))
+                      "train.py and translate.py set it themselves where it is unset)"))
     else:
         lines.append(("ok", f"{cpu}; OPENBLAS_CORETYPE={coretype or 'unset'}"
                             + (" (set for the AVX-512 kernels)" if coretype else ""), None))

@@ -184,6 +184,27 @@ def test_blas_keeps_the_users_value(tmp_path):
     assert env == {"OPENBLAS_CORETYPE": "Haswell"}
 
 
+@pytest.mark.parametrize("coretype,core,slow", [("Haswell", "Haswell", True),
+                                                 (None, "Haswell", True),
+                                                 ("SkylakeX", "SkylakeX", False)])
+def test_train_py_notes_avx2_kernels_on_an_avx512_cpu(monkeypatch, coretype, core, slow):
+    """A user's (or a machine's) OPENBLAS_CORETYPE=Haswell wins over the AVX-512 kernels;
+    train.py then says so at its start (doctor.slow_blas_note), with the fix."""
+    from minitransformer import doctor
+    monkeypatch.setattr(doctor, "_cpu_flags", lambda: set(AVX512.split()))
+    monkeypatch.setattr(doctor, "_openblas_runtime", lambda: (core, 1))
+    if coretype:
+        monkeypatch.setenv("OPENBLAS_CORETYPE", coretype)
+    else:
+        monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    note = doctor.slow_blas_note()
+    if not slow:
+        assert note is None
+    else:
+        assert note.startswith("note: ") and f"OPENBLAS_CORETYPE={coretype or 'unset'}" in note
+        assert "Haswell kernels" in note and "export OPENBLAS_CORETYPE=SkylakeX" in note
+
+
 def test_blas_without_cpuinfo(tmp_path):
     env = {}
     assert configure_cpu_blas(env, str(tmp_path / "does-not-exist")) is None

@@ -489,6 +489,11 @@ class Trainer:
                       not self.args.no_progress, enabled=self.main, comm=self.comm)
             log.info(f"model: {count_parameters(self.model):,} parameters, config "
                      f"{json.dumps(dataclasses.asdict(self.cfg))}")
+            if self.device == "cpu":
+                from ..doctor import slow_blas_note
+                note = slow_blas_note()
+                if note:
+                    log.info(note)
             self.batch_iter = iter(self.batches)
             reason = self._loop(log, stop)
             finished = stop.signum is None
