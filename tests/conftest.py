@@ -49,6 +49,25 @@ def synthetic_tokenizer(directory, n_valid, seed=7):
     return Tokenizer(train_sentencepiece([str(text)], str(directory / "spm"), 100)), corpus
 
 
+def sigint_as_a_terminal_gives_it():
+    """preexec_fn for a child that a test stops with SIGINT as Ctrl-C would: its SIGINT at the
+    default disposition and unblocked, as a shell in a terminal starts a program. A child
+    inherits an ignored or blocked SIGINT from the test process, and Python then installs no
+    KeyboardInterrupt handler; a shell starts a background job (`.ci/run &`, `nohup ... &`)
+    with SIGINT ignored, so in a test run started that way the Ctrl-C tests' children
+    ignored the Ctrl-C (translate.py read EOF and exited 0; the explorer never stopped)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+def sigint_state():
+    """This process's SIGINT handler and whether it is blocked, for an assertion message."""
+    import signal
+    return (f"SIGINT in the test process: handler {signal.getsignal(signal.SIGINT)!r}, "
+            f"blocked {signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])}")
+
+
 def untrained_run(path, tok, **config):
     """A run directory translate.py can load at ``path`` (created): ``tok``'s spm.model and
     checkpoint_last.npz of an untrained 1-layer model (d_model 16; ``config`` overrides

@@ -28,7 +28,7 @@ from minitransformer.mt.translate import load_model
 from minitransformer.mt.translation import translate_lines
 from minitransformer.nn.transformer import Transformer, TransformerConfig
 
-from conftest import synthetic_tokenizer
+from conftest import sigint_as_a_terminal_gives_it, sigint_state, synthetic_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_LAYERS, N_HEADS, MAX_POSITIONS = 2, 2, 32
@@ -317,7 +317,8 @@ def test_port_taken_is_one_line_and_exit_2(run, capsys):
 def test_command_line_serves_on_127_0_0_1_and_stops_on_ctrl_c(run):
     proc = subprocess.Popen([sys.executable, "-m", "minitransformer.mt.explore", "--run-dir",
                              run[0], "--port", "0", "--max-len-a", "3"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_a_terminal_gives_it)
     lines = queue.Queue()
     threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
     try:
@@ -327,7 +328,10 @@ def test_command_line_serves_on_127_0_0_1_and_stops_on_ctrl_c(run):
         with urllib.request.urlopen(url + "info", timeout=30) as res:
             assert json.loads(res.read())["beam"] == 4
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        try:
+            assert proc.wait(30) == 0
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the explorer did not stop within 30 s of Ctrl-C ({sigint_state()})")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -18,7 +18,7 @@ import pytest
 
 from minitransformer.mt import checkpoint as ckpt
 
-from conftest import synthetic_tokenizer, untrained_run
+from conftest import sigint_as_a_terminal_gives_it, sigint_state, synthetic_tokenizer, untrained_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # permissions do not stop root
@@ -270,7 +270,8 @@ def test_ctrl_c_is_one_line_and_exit_130(env):
     """Ctrl-C while translate.py waits for its input: one line, exit code 130."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "translate.py"), "--run-dir",
                              env["run"]], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=ROOT)
+                            stderr=subprocess.PIPE, cwd=ROOT,
+                            preexec_fn=sigint_as_a_terminal_gives_it)
     try:
         deadline = time.monotonic() + 60
         while not _reading_stdin(proc.pid):
@@ -283,7 +284,7 @@ def test_ctrl_c_is_one_line_and_exit_130(env):
             proc.kill()
             proc.wait()
     err = err.decode()
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, f"{err} ({sigint_state()})"
     assert "Traceback" not in err and err.count("\n") == 1 and "interrupted" in err, err
     assert out == b""
 
