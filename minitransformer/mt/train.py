@@ -489,7 +489,7 @@ class Trainer:
                       not self.args.no_progress, enabled=self.main, comm=self.comm)
             log.info(f"model: {count_parameters(self.model):,} parameters, config "
                      f"{json.dumps(dataclasses.asdict(self.cfg))}")
-            if self.device == "cpu":
+            if self.device == "cpu" and self.main:  # (the note is rank 0's to log)
                 from ..doctor import slow_blas_note
                 note = slow_blas_note()
                 if note:

@@ -241,6 +241,8 @@ def translate(args):
                          "redirect it to a file, e.g. `> out.txt`")
     device = args.device or backend.default_device()
     lines, refs = _check_and_read(args, device)
+    # (--record: each run's training time, read before any work, so a run without it fails now)
+    trained = _training_seconds(args) if args.record else None
     model, tok, what = load_for_translation(args, device)
     if args.plot_attention:
         _plot_inputs(args, model, tok, lines)
@@ -255,7 +257,7 @@ def translate(args):
         bleu, sig = corpus_bleu(hyps, refs)
         say(f"BLEU = {bleu:.2f}  ({what}, beam {args.beam})  {sig}")
         if args.record:
-            _record_score(args, bleu, sig, what)
+            _record_score(args, bleu, sig, what, *trained)
     return 0
 
 
@@ -279,10 +281,10 @@ def _training_seconds(args):
     return seconds, last_update
 
 
-def _record_score(args, bleu, sig, what):
+def _record_score(args, bleu, sig, what, seconds, update):
     """--record: the score as a test record on --run-dir's metrics.jsonl (one line, appended:
-    what train.py wrote before it stays as it was)."""
-    seconds, update = _training_seconds(args)
+    what train.py wrote before it stays as it was); ``seconds`` and ``update`` from
+    _training_seconds."""
     name = "stdin" if args.input == "-" else os.path.basename(args.input)
     record = {"update": update, "test_split": os.path.splitext(name)[0], "test_bleu": bleu,
               "test_signature": sig, "test_checkpoints": what, "beam": args.beam,
@@ -319,7 +321,6 @@ def _check_and_read(args, device):
         if refs is None:
             raise UsageError("--record appends the BLEU score to the run's metrics.jsonl: "
                              "give the --reference to score against")
-        _training_seconds(args)  # (each run has its training time on record)
     if refs is not None and len(refs) != len(lines):
         raise UsageError(f"--reference {args.reference} has {len(refs)} lines, the input "
                          f"{_input_name(args)} has {len(lines)}; "
