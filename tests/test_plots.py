@@ -229,6 +229,16 @@ def test_plot_budgets_draws_bleu_against_minutes(tmp_path, capsys):
     assert f"{missing}/metrics.jsonl: no such metrics file" in capsys.readouterr().err
 
 
+def test_budget_lines_join_only_scores_of_one_kind():
+    # (minutes, BLEU, models): pairs and ensembles of three at several budgets, one single
+    ends = [(30, 37.3, 2), (15, 31.4, 2), (59, 40.6, 3), (15, 32.0, 3), (59, 40.0, 2),
+            (20, 28.0, 1)]
+    assert plots.budget_lines(ends) == {1: [(20, 28.0)],
+                                        2: [(15, 31.4), (30, 37.3), (59, 40.0)],
+                                        3: [(15, 32.0), (59, 40.6)]}
+    assert plots.budget_lines([]) == {}
+
+
 def test_train_logs_its_test_score_for_the_budget_plot(tmp_path):
     from minitransformer.mt import train as train_cli
     run = str(tmp_path / "run")

@@ -122,11 +122,22 @@ def read_test(path):
     return tests[-1] if tests else None
 
 
+def budget_lines(ends):
+    """(minutes, BLEU, models) of each scored run -> {models: [(minutes, BLEU), ...] by
+    minutes}: one line per kind of score, single models (1) or ensembles of ``models``, so
+    that a line joins only scores of one recipe."""
+    lines = {}
+    for minutes, bleu, models in sorted(ends):
+        lines.setdefault(models, []).append((minutes, bleu))
+    return lines
+
+
 def plot_budgets(run_dirs, out_png):
     """BLEU against minutes of training for runs of different --max-time budgets -> out_png:
     each run's validation BLEU (greedy) as it trained, and its last test BLEU on record
     (train.py's final score, or a later `translate.py --record` one, an ensemble's say) at
-    the minute its training ended, the test scores joined across the runs."""
+    the minute its training ended; the test scores of the same kind (single models, or
+    ensembles of as many models) joined across the runs (``budget_lines``)."""
     fig = _figure(8, 4.5)
     ax = fig.subplots()
     ends = []
@@ -140,7 +151,7 @@ def plot_budgets(run_dirs, out_png):
                 lw=1, color=f"C{i}", alpha=0.6, label=f"{name}: validation (greedy)")
         if test is not None:
             minutes = test["time"] / 60
-            ends.append((minutes, test["test_bleu"]))
+            ends.append((minutes, test["test_bleu"], len(test.get("ensemble") or ()) or 1))
             scored = (f"ensemble of {len(test['ensemble'])}, " if test.get("ensemble")
                       else "")
             ax.plot([minutes], [test["test_bleu"]], "*", ms=12, color=f"C{i}",
@@ -148,9 +159,10 @@ def plot_budgets(run_dirs, out_png):
                           f"({scored}beam {test['beam']}, {minutes:.0f} min)")
             ax.annotate(f"{test['test_bleu']:.1f}", (minutes, test["test_bleu"]),
                         textcoords="offset points", xytext=(6, -12), fontsize=8)
-    if len(ends) > 1:
-        ends.sort()
-        ax.plot([m for m, _ in ends], [b for _, b in ends], "k--", lw=0.8)
+    for models, points in budget_lines(ends).items():
+        if len(points) > 1:
+            ax.plot([m for m, _ in points], [b for _, b in points], color="k", lw=0.8,
+                    ls=("--", ":", "-.")[min(models, 3) - 1])  # single, pairs, more
     ax.set(xlabel="minutes of training", ylabel="BLEU", title="BLEU against training time")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
