@@ -151,9 +151,9 @@ def plot_budgets(run_dirs, out_png):
                 lw=1, color=f"C{i}", alpha=0.6, label=f"{name}: validation (greedy)")
         if test is not None:
             minutes = test["time"] / 60
-            ends.append((minutes, test["test_bleu"], len(test.get("ensemble") or ()) or 1))
-            scored = (f"ensemble of {len(test['ensemble'])}, " if test.get("ensemble")
-                      else "")
+            models = len(test.get("ensemble") or ()) or 1
+            ends.append((minutes, test["test_bleu"], models))
+            scored = f"ensemble of {models}, " if test.get("ensemble") else ""
             ax.plot([minutes], [test["test_bleu"]], "*", ms=12, color=f"C{i}",
                     label=f"{name}: {test['test_split']} {test['test_bleu']:.1f} "
                           f"({scored}beam {test['beam']}, {minutes:.0f} min)")
