@@ -1,5 +1,6 @@
 """translate_ids with worker processes (mt/translation.py): the same outputs as one process,
-whatever the batching; a worker's error or death reaches the caller; translate.py --workers."""
+whatever the batching; workers kept for the next call only while the model is unchanged; a
+worker's error or death reaches the caller; translate.py --workers."""
 import os
 
 import numpy as np
@@ -51,20 +52,52 @@ def test_length_batches_cover_every_source_once_within_the_budget():
         assert len(b) == 1 or len(b) * (max(len(src[i]) for i in b) + 1) <= 40
 
 
+def _worker_pids():
+    pool = translation.WorkerPool.current
+    return None if pool is None else [proc.pid for _, proc in pool.procs]
+
+
+def test_workers_stay_for_the_next_call_while_the_model_is_unchanged():
+    m = Transformer(CFG, seed=6)
+    src = _sources(seed=3)
+    kw = dict(beam=2, max_len_a=4, max_tokens=64)
+    first = translate_ids(m, src, workers=2, **kw)
+    pids = _worker_pids()
+    assert pids is not None and len(pids) == 2
+    assert translate_ids(m, src, workers=2, **kw) == first
+    assert _worker_pids() == pids  # the same processes
+    # the weights changed in place (as an optimizer step or a checkpoint load does): new
+    # workers, which translate with the new weights
+    m.decoder[0].ff.w1.weight.data *= 1.5
+    changed = translate_ids(m, src, workers=2, **kw)
+    assert _worker_pids() not in (None, pids)
+    assert changed == translate_ids(m, src, **kw) != first
+    # another number of workers: new workers too; and close_workers ends them
+    translate_ids(m, src, workers=3, **kw)
+    assert len(_worker_pids()) == 3
+    procs = [proc for _, proc in translation.WorkerPool.current.procs]
+    translation.close_workers()
+    assert _worker_pids() is None and not any(proc.is_alive() for proc in procs)
+
+
 def test_a_workers_exception_is_raised_in_the_caller(model, monkeypatch):
     def fail(*args, **kwargs):
         raise ValueError("no room for this batch")
-    monkeypatch.setattr(translation, "search_batch", fail)  # (the forked workers see it)
+    translation.close_workers()  # (workers forked from here on see the patched function)
+    monkeypatch.setattr(translation, "search_batch", fail)
     with pytest.raises(ValueError, match="no room for this batch"):
         translate_ids(model, _sources(), beam=1, max_tokens=64, workers=2)
+    assert translation.WorkerPool.current is None  # (an error ends the workers)
 
 
 def test_a_worker_that_dies_is_reported_not_waited_for(model, monkeypatch):
     def die(*args, **kwargs):
         os._exit(9)
+    translation.close_workers()
     monkeypatch.setattr(translation, "search_batch", die)
     with pytest.raises(WorkerDied, match=r"exit code 9.*--max-tokens or --workers"):
         translate_ids(model, _sources(), beam=1, max_tokens=64, workers=2)
+    assert translation.WorkerPool.current is None
 
 
 def test_one_batch_is_translated_in_this_process(model, monkeypatch):

@@ -7,6 +7,7 @@ can warn. The output is capped by the search at ``max_positions - 1`` tokens (BO
 fit the decoder's positions), so no line of any length runs decoding past the positions.
 """
 import os
+import threading
 
 import numpy as np
 
@@ -122,72 +123,158 @@ def translate_in_workers(model, src_ids, workers, max_tokens, search):
     output is that of one process; only a score can differ in its last bits (the BLAS sums a
     row in an order that depends on how many rows the product has), which changes a
     token only at a floating-point tie. The model is shared copy-on-write; only
-    token lists travel back. A worker's exception is raised here; a worker that dies raises
-    WorkerDied; on any error or Ctrl-C (which workers ignore) the others are terminated."""
-    import multiprocessing
-    from multiprocessing.connection import wait
+    token lists travel.
 
-    import threadpoolctl  # noqa: F401  (imported before forking: a worker fails only in work)
+    The workers stay for the next call with the same model (``WorkerPool``): a freshly
+    forked worker runs its first batches slowly (every heap page it writes is first copied
+    from this process), so a program that translates again and again pays that once. A
+    worker's exception is raised here; a worker that dies raises WorkerDied; on any error or
+    Ctrl-C (which workers ignore) the workers are terminated, and the next call forks new
+    ones."""
     order = sorted((i for i, s in enumerate(src_ids) if s), key=lambda i: len(src_ids[i]))
     workers = max(1, min(workers, len(order)))
     shares = [order[w::workers] for w in range(workers)]
-    threads = max(1, cpu_count() // workers)
-    ctx = multiprocessing.get_context("fork")
-    procs, results = {}, {}
-    try:
-        for w, share in enumerate(shares):
-            receive, send = ctx.Pipe(duplex=False)
-            seqs = [list(src_ids[i]) for i in share]
-            proc = ctx.Process(target=_worker, daemon=True,
-                               args=(send, model, seqs, max_tokens, search, threads))
-            proc.start()
-            send.close()
-            procs[receive] = (w, proc)
-        while len(results) < len(shares):
-            for receive in wait(list(procs)):
-                w, proc = procs.pop(receive)
-                try:
-                    ok, value = receive.recv()
-                except (EOFError, OSError):  # (died before or while sending)
-                    proc.join()
-                    raise WorkerDied(f"translation worker {w + 1} of {workers} ended without "
-                                     f"its output (exit code {proc.exitcode}); if memory ran "
-                                     "out, lower --max-tokens or --workers") from None
-                proc.join()
-                if not ok:
-                    raise value
-                results[w] = value
-    finally:
-        for _, proc in procs.values():
-            proc.terminate()
-        for _, proc in procs.values():
-            proc.join()
+    with _pool_lock:
+        pool = WorkerPool.get(model, workers)
+        try:
+            results = pool.run([[list(src_ids[i]) for i in share] for share in shares],
+                               max_tokens, search)
+        except BaseException:
+            pool.close()
+            raise
     out = [[] for _ in src_ids]
-    for w, share in enumerate(shares):
-        for i, h in zip(share, results[w]):
+    for share, result in zip(shares, results):
+        for i, h in zip(share, result):
             out[i] = h
     return out
 
 
-def _worker(send, model, seqs, max_tokens, search, threads):
-    """A worker process: translate ``seqs`` with ``threads`` BLAS threads and send back
-    (True, outputs), or (False, the exception)."""
+def model_fingerprint(model):
+    """What the workers of a WorkerPool must agree on with this process to translate as it
+    does: the model's identity, config and dtypes, and every parameter's shape, dtype and
+    checksum (CRC-32 of its bytes: training or loading a checkpoint in place changes it)."""
+    import zlib
+    params = tuple((p.data.shape, str(p.data.dtype),
+                    zlib.crc32(memoryview(np.ascontiguousarray(p.data)).cast("B")))
+                   for p in model.parameters())
+    return (id(model), repr(model.cfg), str(model.dtype), str(model.compute_dtype), params)
+
+
+_pool_lock = threading.Lock()
+
+
+class WorkerPool:
+    """``workers`` forked processes translating for one model, kept between calls.
+
+    ``WorkerPool.get(model, workers)`` returns the pool of the last call when it was forked
+    by this process for the same number of workers and a model with the same fingerprint
+    (``model_fingerprint``: the weights are checked on every call, so a model trained or
+    reloaded in between gets new workers); otherwise it closes that pool and forks a new
+    one. A worker holds the model and the code as they were when it was forked: state
+    changed since in this process other than the model's (a monkeypatched function, say)
+    reaches the workers only after ``close_workers()``. Workers ignore Ctrl-C, end when this
+    process's end of their pipe closes, and are terminated when it exits (they are daemons).
+    """
+
+    current = None
+
+    def __init__(self, model, workers, key):
+        import multiprocessing
+
+        import threadpoolctl  # noqa: F401  (imported before forking: a worker fails only in work)
+        self.key, self.pid, self.procs = key, os.getpid(), []
+        threads = max(1, cpu_count() // workers)
+        ctx = multiprocessing.get_context("fork")
+        try:
+            for _ in range(workers):
+                here, there = ctx.Pipe()
+                proc = ctx.Process(target=_worker, daemon=True, args=(there, model, threads))
+                proc.start()
+                there.close()
+                self.procs.append((here, proc))
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def get(cls, model, workers):
+        key = (workers, model_fingerprint(model))
+        pool = cls.current
+        if pool is not None and (pool.key != key or pool.pid != os.getpid()
+                                 or not all(p.is_alive() for _, p in pool.procs)):
+            pool.close()
+            pool = None
+        if pool is None:
+            pool = cls.current = cls(model, workers, key)
+        return pool
+
+    def run(self, shares, max_tokens, search):
+        """Worker w translates ``shares[w]`` (lists of ids) -> their outputs, in order."""
+        from multiprocessing.connection import wait
+        pending = {}
+        for w, (share, (conn, proc)) in enumerate(zip(shares, self.procs)):
+            conn.send((share, max_tokens, search))
+            pending[conn] = (w, proc)
+        results = [None] * len(shares)
+        while pending:
+            for conn in wait(list(pending)):
+                w, proc = pending.pop(conn)
+                try:
+                    ok, value = conn.recv()
+                except (EOFError, OSError):  # (died before or while sending)
+                    proc.join()
+                    raise WorkerDied(f"translation worker {w + 1} of {len(shares)} ended "
+                                     f"without its output (exit code {proc.exitcode}); if "
+                                     "memory ran out, lower --max-tokens or --workers") from None
+                if not ok:
+                    raise value
+                results[w] = value
+        return results
+
+    def close(self):
+        """Terminate the workers (when this process forked them) and forget the pool."""
+        if os.getpid() == self.pid:
+            for conn, proc in self.procs:
+                proc.terminate()
+                conn.close()
+            for _, proc in self.procs:
+                proc.join()
+        self.procs = []
+        if WorkerPool.current is self:
+            WorkerPool.current = None
+
+
+def close_workers():
+    """End the translating workers kept for the next call (``WorkerPool``), if any."""
+    with _pool_lock:
+        if WorkerPool.current is not None:
+            WorkerPool.current.close()
+
+
+def _worker(conn, model, threads):
+    """A worker process: for each (id lists, max_tokens, search options) received, translate
+    with ``threads`` BLAS threads and send back (True, outputs), or (False, the exception);
+    ends when the pipe closes."""
     import signal
 
     import threadpoolctl
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threadpoolctl.threadpool_limits(threads, user_api="blas")
-    try:
-        result = (True, translate_ids(model, seqs, max_tokens=max_tokens, **search))
-    except BaseException as exc:  # (sent to the parent, which raises it)
-        result = (False, exc)
-    try:
-        send.send(result)
-    except Exception:  # an exception that does not pickle: its text instead
-        import traceback
-        send.send((False, RuntimeError("in a translation worker: " +
-                                       "".join(traceback.format_exception(result[1])))))
-    send.close()
+    while True:
+        try:
+            seqs, max_tokens, search = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            result = (True, translate_ids(model, seqs, max_tokens=max_tokens, **search))
+        except BaseException as exc:  # (sent to the parent, which raises it)
+            result = (False, exc)
+        try:
+            conn.send(result)
+        except Exception:  # an exception that does not pickle: its text instead
+            import traceback
+            conn.send((False, RuntimeError("in a translation worker: " +
+                                           "".join(traceback.format_exception(result[1])))))
 
 
 def translate_lines(model, tokenizer, lines, on_truncate=None, **search_options):
