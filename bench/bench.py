@@ -6,7 +6,7 @@ in PyTorch, measured in one run.
     python bench/bench.py --all                  # both; then bench/RESULTS.md
     python bench/bench.py --all --device cuda     # CuPy against torch on CUDA (eager), + base
     python bench/bench.py --all --device cuda --precision float16   # mixed precision, both sides
-    python bench/bench.py --all --ranks 2        # also training as 2 ranks x 1 thread each
+    python bench/bench.py --all --ranks 2        # also 2 ranks x 1 thread each (train, decode)
 
 How it measures (details in bench/RESULTS.md, "Method"):
 * Each framework runs in its own worker process (so ru_maxrss is its own peak); the parent
@@ -19,11 +19,12 @@ How it measures (details in bench/RESULTS.md, "Method"):
   the paper's learning rate at that step; ours is train.py's own update (mt/step.py: backward
   of loss_sum, the gradient then divided by n_tokens). Target tokens/s = non-padding target
   tokens / step time; median over the steps after the warm-up ones.
-* ``--ranks N`` adds two training-only workers of N processes with one thread each, bound
-  to one core each: ours under mpiexec with the package's MPI all-reduce, exactly as
+* ``--ranks N`` adds two workers of N processes with one thread each, bound to one core
+  each: ours under mpiexec with the package's MPI all-reduce, exactly as
   ``mpiexec -n N python train.py`` trains, and torch with DistributedDataParallel over gloo.
   Each rank takes its share of the same batches (``common.shard_rows``). They join the
-  step-by-step alternation; their peak memory is the sum over the ranks.
+  step-by-step alternation; their peak memory is the sum over the ranks. They decode too,
+  as translate.py's worker processes do: each rank every N-th sentence of each batch.
 * Decoding: the initial weights are reloaded; greedy and beam (4, alpha 0.6) search with a
   key/value cache on the same sentences, batched as translate.py does. Maximum length =
   source length + ``--max-len-a`` (default 0): an untrained model rarely emits EOS, so both
@@ -99,14 +100,36 @@ class Runner:
                     src_tokens=int((b["src"] != self.cfg["pad_id"]).sum()))
 
     def decode(self, kind, warmup=False):
+        """Translate the decoding batches -> seconds, outputs. As ranks, each rank
+        translates every size-th sentence of each batch (its share, cut to its longest
+        source: translate.py's workers deal sentences out so) between two barriers; rank 0
+        times it and gathers the outputs back into their places."""
         srcs = [self.decode_srcs[0][:8]] if warmup else self.decode_srcs
-        out = []
+        mpi, pad = self.mpi, self.cfg["pad_id"]
+        mine = srcs
+        if mpi is not None:
+            mine = [common.trim(src[mpi.rank::mpi.size], pad) for src in srcs]
+            mpi.Barrier()
+        outs = []
         self.sync()
         t0 = time.perf_counter()
-        for src in srcs:
-            out += self.search(kind, src)
+        for src in mine:
+            outs.append(self.search(kind, src) if len(src) else [])
         self.sync()
+        if mpi is not None:
+            mpi.Barrier()
         dt = time.perf_counter() - t0
+        if mpi is not None:
+            shares = mpi.gather(outs, root=0)
+            if mpi.rank != 0:
+                return {}
+            outs = []
+            for b, src in enumerate(srcs):
+                merged = [None] * len(src)
+                for r, share in enumerate(shares):
+                    merged[r::mpi.size] = share[b]
+                outs.append(merged)
+        out = [o for batch in outs for o in batch]
         return dict(seconds=dt, sentences=sum(len(s) for s in srcs),
                     out_tokens=sum(len(o) for o in out), outputs=out)
 
@@ -552,7 +575,7 @@ def run_config(name, args, machine, peak):
     n_dec = args.decode_sentences or spec["decode_sentences"]
     max_tokens = args.max_tokens or spec["max_tokens"]
     frameworks = ["ours"] + (["torch"] if args.torch else [])
-    ranked = [fw + "_ranks" for fw in frameworks] if args.ranks > 1 else []  # training only
+    ranked = [fw + "_ranks" for fw in frameworks] if args.ranks > 1 else []
     tmp = tempfile.mkdtemp(prefix="minitransformer-bench-")
     init = os.path.join(tmp, "init.npz")
     argv = ["--config", name, "--device", args.device, "--seed", str(args.seed),
@@ -623,9 +646,6 @@ def run_config(name, args, machine, peak):
         res["memory"] = {fw: workers[fw]("memory") for fw in trainers}
         for fw in trainers:
             res["memory"][fw]["rss_setup_mib"] = setup[fw]["rss_setup_mib"]
-        for fw in ranked:  # done: decoding is measured in one process
-            workers.pop(fw).close()
-
         if args.profile and name in args.profile:
             print("   profiling 3 training steps of ours (minitransformer's profiler) ...",
                   flush=True)
@@ -634,10 +654,10 @@ def run_config(name, args, machine, peak):
 
         res["gemm"] = {fw: workers[fw]("gemm", n=args.gemm_size) for fw in frameworks}
 
-        # ---- decoding ----
-        for fw in frameworks:
+        # ---- decoding: one process each, and (--ranks) as ranks sharing out the sentences
+        decoders = list(frameworks) + (ranked if args.device == "cpu" else [])
+        for fw in decoders:
             workers[fw]("reset")
-        decoders = list(frameworks)
         if args.ct2 and args.device == "cpu" and importlib.util.find_spec("ctranslate2"):
             workers["ctranslate2"] = Worker("ctranslate2", argv)
             setup["ctranslate2"] = workers["ctranslate2"]("setup")
@@ -665,6 +685,11 @@ def run_config(name, args, machine, peak):
             res["decode_agreement"] = {kind: agreement(outputs["ours"][kind],
                                                        outputs["torch"][kind])
                                        for kind in ("greedy", "beam")}
+        for fw in decoders:  # sharing the sentences out changes no output
+            if fw.endswith("_ranks"):
+                res.setdefault("decode_agreement_ranks", {})[fw] = {
+                    kind: agreement(outputs[fw[:-len("_ranks")]][kind], outputs[fw][kind])
+                    for kind in ("greedy", "beam")}
         if "ctranslate2" in decoders:
             res["decode_agreement_ctranslate2"] = {
                 kind: agreement(outputs["ours"][kind], outputs["ctranslate2"][kind])
@@ -726,6 +751,13 @@ def ratios(res):
                    / max(tps["torch"], tps["torch_ranks"]),
                    memory_ranks=mem["ours_ranks"]["max_rss_mib"]
                    / mem["torch_ranks"]["max_rss_mib"])
+    dec = res["decode"]
+    if "ours_ranks" in dec and "torch_ranks" in dec:
+        for kind in ("greedy", "beam"):
+            sps = {fw: d[kind]["sentences_per_s"] for fw, d in dec.items()}
+            out[kind + "_ranks"] = sps["ours_ranks"] / sps["torch_ranks"]
+            out[kind + "_best_setup"] = (max(sps["ours"], sps["ours_ranks"])
+                                         / max(sps["torch"], sps["torch_ranks"]))
     if "gpu_reserved_mib" in mem["ours"]:
         out["gpu_memory"] = mem["ours"]["gpu_reserved_mib"] / mem["torch"]["gpu_reserved_mib"]
     return out
@@ -752,6 +784,10 @@ def print_summary(res):
               + (f"  -> ours/torch {r[kind]:.2f}x (target >= "
                  f"{report.target(kind, res['config'])}x; best of "
                  f"{dec['ours'][kind]['reps']}: {r[kind + '_best']:.2f}x)" if r else ""))
+        if r and kind + "_ranks" in r:
+            print(f"   {kind} with {res['settings']['ranks']} ranks x 1 thread: ours/torch "
+                  f"{r[kind + '_ranks']:.2f}x; best set-up of each: "
+                  f"{r[kind + '_best_setup']:.2f}x")
     grow = {fw: mem[fw]["max_rss_mib"] - mem[fw]["rss_setup_mib"] for fw in fws}
     print("   peak RSS MiB: " + ", ".join(f"{fw} {mem[fw]['max_rss_mib']:.0f} (+{grow[fw]:.0f} "
                                           f"over imports+data)" for fw in fws)
@@ -810,7 +846,8 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=1,
                    help="also time training as N data-parallel processes with one thread each "
                         "(ours: mpiexec -n N, as train.py runs; torch: DistributedDataParallel "
-                        "over gloo); needs pip install -e .[mpi]. Decoding stays one process")
+                        "over gloo), and decoding as N processes sharing out the sentences, as "
+                        "translate.py's workers do; needs pip install -e .[mpi]")
     p.add_argument("--no-torch", dest="torch", action="store_false",
                    help="measure minitransformer only")
     p.add_argument("--no-ctranslate2", dest="ct2", action="store_false",

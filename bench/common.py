@@ -125,6 +125,13 @@ def shard_rows(batch, rank, size, pad_id=0):
     return out
 
 
+def trim(src, pad_id=0):
+    """A padded (B, S) batch (B may be 0) cut to the length of its longest row."""
+    if not len(src):
+        return src
+    return np.ascontiguousarray(src[:, :int((src != pad_id).sum(axis=1).max())])
+
+
 def fingerprint(arrays):
     """A short hash of a list of arrays (to check both workers got identical batches)."""
     h = hashlib.sha256()

@@ -97,6 +97,22 @@ def summary(runs):
                              f"{a:.1f} | {_fmt(b, '.1f')} | {_x(q.get(kind + '_best'))} | "
                              f">= {target(kind, c)}x: "
                              f"{_met(kind, q.get(kind + '_best'), c)} |")
+            if "ours_ranks" in dec:
+                n = r["settings"]["ranks"]
+                a = dec["ours_ranks"][kind]["sentences_per_s"]
+                b = t(dec, kind, "sentences_per_s") and dec["torch_ranks"][kind][
+                    "sentences_per_s"]
+                lines.append(f"| {c} | {n} ranks x 1 thread | {label} decoding, sentences/s "
+                             f"(median; rank r translates sentences r, r + {n}, ... of each "
+                             f"batch) | {a:.1f} | {_fmt(b, '.1f')} | "
+                             f"{_x(q.get(kind + '_ranks'))} | |")
+                if kind + "_best_setup" in q:
+                    lines.append(
+                        f"| {c} | best set-up of each | {label} decoding, sentences/s | "
+                        f"{max(dec['ours'][kind]['sentences_per_s'], a):.1f} | "
+                        f"{max(dec['torch'][kind]['sentences_per_s'], b):.1f} | "
+                        f"{_x(q[kind + '_best_setup'])} | >= {target(kind, c)}x: "
+                        f"{_met(kind, q[kind + '_best_setup'], c)} |")
         a, b = mem["ours"]["max_rss_mib"], t(mem, "max_rss_mib")
         lines.append(f"| {c} | {d} | peak memory (ru_maxrss), MiB | {_fmt(a)} | {_fmt(b)} | "
                      f"{_x(q.get('memory'))} | <= 1x: {_met('memory', q.get('memory'))} |")
@@ -222,7 +238,7 @@ def details(r):
                + "; ".join(_memory_str(fw, mem[fw]) for fw in fws) + ".")
     out.append("")
     d = r["decode"]
-    fws = list(d)  # decoding runs in one process per framework
+    fws = list(d)  # one process per framework, and (--ranks) its ranks
     out.append(f"Decoding {d['ours']['greedy']['sentences']} sentences (source 10-30 tokens + "
                f"EOS, batches of at most {s['decode_max_tokens']} padded source tokens, maximum "
                f"output length = source length + {s['max_len_a']}), median of "
@@ -236,6 +252,10 @@ def details(r):
         out.append(f"Identical outputs ours vs torch: greedy {a['greedy']['identical']}/"
                    f"{a['greedy']['of']}, beam {a['beam']['identical']}/{a['beam']['of']} "
                    f"sentences (same weights; differences come from float rounding in near-ties).")
+    for fw, a in r.get("decode_agreement_ranks", {}).items():
+        out.append(f"Identical outputs {fw} vs {fw[:-len('_ranks')]} in one process: greedy "
+                   f"{a['greedy']['identical']}/{a['greedy']['of']}, beam "
+                   f"{a['beam']['identical']}/{a['beam']['of']} sentences.")
     if "decode_agreement_ctranslate2" in r:
         a = r["decode_agreement_ctranslate2"]
         out.append(f"Identical outputs ours vs CTranslate2 float32: greedy "
@@ -371,7 +391,11 @@ METHOD = """## Method
   (rows split for equal target tokens, padding cut to the share's longest row); the step is
   timed on rank 0 and includes the all-reduce. "Best set-up of each" compares the faster of
   one process and N ranks for each framework; that is the ratio held against the 1.5x
-  target. Memory of a ranked worker is the sum of its ranks' peaks.
+  target. Memory of a ranked worker is the sum of its ranks' peaks. The same ranks then
+  decode, as `translate.py` does with its worker processes: each rank searches every N-th
+  sentence of each batch (its share cut to its longest source) with one thread, between two
+  barriers, timed on rank 0; the outputs are gathered back and compared with the
+  one-process ones. For decoding too the best set-up of each is held against the target.
 * **Peak memory.** `resource.getrusage(RUSAGE_SELF).ru_maxrss` of each worker after the
   training steps (before decoding and before the GEMM measurement); it includes the framework's
   own libraries (torch's are large), so the increase over the after-imports-and-data value is

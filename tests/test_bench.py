@@ -51,7 +51,8 @@ def test_shard_rows_covers_the_batch_once_balanced_and_trimmed(size):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binds 2 ranks to 2 cores")
 def test_bench_runs_one_process_and_two_ranks(tmp_path):
     """bench.py --ranks 2 (without torch): both set-ups train the same model on the same
-    batches, and the report gets a row for each."""
+    batches and decode the same sentences to the same outputs, and the report gets a row
+    for each."""
     report = tmp_path / "RESULTS.md"
     env = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--config", "tiny",
@@ -62,7 +63,12 @@ def test_bench_runs_one_process_and_two_ranks(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     res = json.loads((tmp_path / "results" / "run-tiny-cpu-t1.json").read_text())
     assert set(res["train"]) == {"ours", "ours_ranks"} and res["settings"]["ranks"] == 2
-    assert set(res["decode"]) == {"ours"}  # decoding is measured in one process
+    assert set(res["decode"]) == {"ours", "ours_ranks"}
+    for kind in ("greedy", "beam"):  # each rank half the sentences, gathered back in place
+        agree = res["decode_agreement_ranks"]["ours_ranks"][kind]
+        assert agree["identical"] == agree["of"] == 4, agree
+        assert res["decode"]["ours_ranks"][kind]["out_tokens"] == \
+            res["decode"]["ours"][kind]["out_tokens"]
     one, two = res["train_steps"]["ours"], res["train_steps"]["ours_ranks"]
     assert len(one) == len(two) == 3
     for a, b in zip(one, two):  # same batches; loss of the same model (dropout differs)
@@ -71,6 +77,7 @@ def test_bench_runs_one_process_and_two_ranks(tmp_path):
     assert len(res["memory"]["ours_ranks"]["per_rank_mib"]) == 2
     text = report.read_text()
     assert "2 ranks x 1 thread" in text and "ranks summed" in text
+    assert "greedy decoding, sentences/s (median; rank r translates sentences r, r + 2" in text
 
 
 def test_bench_decodes_with_ctranslate2_where_it_is_installed(tmp_path):
