@@ -155,7 +155,7 @@ class RunDir:
         if average or len(checkpoints) > 1:
             params, meta = ckpt.average_checkpoints(checkpoints)
             return params, meta, f"average of {len(checkpoints)} checkpoints"
-        params, _, meta = ckpt.load_checkpoint(checkpoints[0])
+        params, _, meta = ckpt.load_checkpoint(checkpoints[0], optimizer=False)
         return params, meta, checkpoints[0]
 
     def require_spm_model(self):
