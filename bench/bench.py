@@ -610,7 +610,7 @@ def run_config(name, args, machine, peak):
         for fw in ranked:
             workers[fw] = Worker(fw[:-len("_ranks")], argv, ranks=args.ranks, label=fw)
             setup[fw] = workers[fw]("setup")
-            for key in ("batches", "n_params"):
+            for key in ("batches", "decode", "n_params"):
                 if setup[fw][key] != setup["ours"][key]:
                     raise RuntimeError(f"the {fw} worker disagrees on {key}")
         res["setup"] = setup
@@ -656,6 +656,9 @@ def run_config(name, args, machine, peak):
 
         # ---- decoding: one process each, and (--ranks) as ranks sharing out the sentences
         decoders = list(frameworks) + (ranked if args.device == "cpu" else [])
+        for fw in ranked:
+            if fw not in decoders:  # (done: on a GPU decoding is measured in one process)
+                workers.pop(fw).close()
         for fw in decoders:
             workers[fw]("reset")
         if args.ct2 and args.device == "cpu" and importlib.util.find_spec("ctranslate2"):

@@ -1,16 +1,23 @@
 """translate_ids with worker processes (mt/translation.py): the same outputs as one process,
 whatever the batching; workers kept for the next call only while the model is unchanged; a
 worker's error or death reaches the caller; translate.py --workers."""
+import atexit
 import os
+import subprocess
+import sys
+import textwrap
+import time
 
 import numpy as np
 import pytest
 
 from minitransformer.mt import translate as translate_cli
+from minitransformer.mt.ensemble import Ensemble
 from minitransformer.mt import translation
 from minitransformer.mt.translation import WorkerDied, length_batches, translate_ids
 from minitransformer.nn.transformer import Transformer, TransformerConfig
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = TransformerConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0)
 
 
@@ -54,7 +61,22 @@ def test_length_batches_cover_every_source_once_within_the_budget():
 
 def _worker_pids():
     pool = translation.WorkerPool.current
-    return None if pool is None else [proc.pid for _, proc in pool.procs]
+    return None if pool is None else [pid for _, pid in pool.workers]
+
+
+def _running(pid, seconds=0.0):
+    """Whether process ``pid`` still runs (as a zombie it does not), waiting up to
+    ``seconds`` for it to end."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        if state == "Z" or time.monotonic() > deadline:
+            return state != "Z"
+        time.sleep(0.05)
 
 
 def test_workers_stay_for_the_next_call_while_the_model_is_unchanged():
@@ -72,12 +94,70 @@ def test_workers_stay_for_the_next_call_while_the_model_is_unchanged():
     changed = translate_ids(m, src, workers=2, **kw)
     assert _worker_pids() not in (None, pids)
     assert changed == translate_ids(m, src, **kw) != first
-    # another number of workers: new workers too; and close_workers ends them
+    # another number of workers: new workers too (the old ones end); close_workers ends them
+    old = _worker_pids()
     translate_ids(m, src, workers=3, **kw)
-    assert len(_worker_pids()) == 3
-    procs = [proc for _, proc in translation.WorkerPool.current.procs]
+    pids = _worker_pids()
+    assert len(pids) == 3 and not any(_running(pid) for pid in old)
     translation.close_workers()
-    assert _worker_pids() is None and not any(proc.is_alive() for proc in procs)
+    assert _worker_pids() is None and not any(_running(pid) for pid in pids)
+
+
+def test_an_ensemble_translates_in_workers(model):
+    other = Transformer(CFG, seed=8)
+    ens = Ensemble([model, other])
+    src = _sources(seed=4)
+    kw = dict(beam=2, max_len_a=4, max_tokens=64)
+    assert translate_ids(ens, src, workers=2, **kw) == translate_ids(ens, src, **kw)
+    # the members' weights are checked: one changed in place gets new workers
+    pids = _worker_pids()
+    other.decoder[1].ff.w2.weight.data *= 0.5
+    assert translate_ids(ens, src, workers=2, **kw) == translate_ids(ens, src, **kw)
+    assert _worker_pids() != pids
+
+
+def test_workers_end_with_the_process_that_forked_them(tmp_path):
+    """However it ends (here os._exit: no clean-up at all), its workers follow it."""
+    script = tmp_path / "die.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {ROOT!r})
+        from minitransformer.mt import translation
+        from minitransformer.nn.transformer import Transformer, TransformerConfig
+        cfg = TransformerConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2)
+        ids = [[5, 6, 7, 8]] * 40
+        translation.translate_ids(Transformer(cfg), ids, beam=1, max_tokens=16, workers=2)
+        print(*[pid for _, pid in translation.WorkerPool.current.workers], flush=True)
+        os._exit(0)
+    """))
+    log = tmp_path / "pids.txt"
+    with open(log, "w") as f:  # (a file, not a pipe: workers left behind would hold a pipe)
+        code = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT,
+                              timeout=120).returncode
+    pids = [int(p) for p in log.read_text().split()] if code == 0 else []
+    assert code == 0 and len(pids) == 2, log.read_text()
+    try:
+        assert not any(_running(pid, seconds=10) for pid in pids)
+    finally:
+        for pid in pids:  # (left behind by a failure: end them)
+            if _running(pid):
+                os.kill(pid, 9)
+
+
+def test_a_process_forked_from_this_one_leaves_the_workers_alone(model):
+    src = _sources(seed=5)
+    kw = dict(beam=1, max_len_a=4, max_tokens=64)
+    first = translate_ids(model, src, workers=2, **kw)
+    pids = _worker_pids()
+    child = os.fork()
+    if child == 0:  # exits as a program does: its exit handlers run
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert all(_running(pid) for pid in pids)
+    assert translate_ids(model, src, workers=2, **kw) == first and _worker_pids() == pids
 
 
 def test_a_workers_exception_is_raised_in_the_caller(model, monkeypatch):

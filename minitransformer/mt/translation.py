@@ -6,7 +6,9 @@ than aborting the whole input; ``on_truncate`` tells the caller which lines were
 can warn. The output is capped by the search at ``max_positions - 1`` tokens (BOS + output
 fit the decoder's positions), so no line of any length runs decoding past the positions.
 """
+import atexit
 import os
+import signal
 import threading
 
 import numpy as np
@@ -132,8 +134,7 @@ def translate_in_workers(model, src_ids, workers, max_tokens, search):
     Ctrl-C (which workers ignore) the workers are terminated, and the next call forks new
     ones."""
     order = sorted((i for i, s in enumerate(src_ids) if s), key=lambda i: len(src_ids[i]))
-    workers = max(1, min(workers, len(order)))
-    shares = [order[w::workers] for w in range(workers)]
+    shares = [order[w::workers] for w in range(workers)]  # (a share may be empty)
     with _pool_lock:
         pool = WorkerPool.get(model, workers)
         try:
@@ -151,13 +152,19 @@ def translate_in_workers(model, src_ids, workers, max_tokens, search):
 
 def model_fingerprint(model):
     """What the workers of a WorkerPool must agree on with this process to translate as it
-    does: the model's identity, config and dtypes, and every parameter's shape, dtype and
-    checksum (CRC-32 of its bytes: training or loading a checkpoint in place changes it)."""
+    does: the model's identity and config, and for it (or each member of an Ensemble) its
+    dtypes and every parameter's shape, dtype and checksum (CRC-32 of its bytes: training
+    or loading a checkpoint in place changes it; about 5 ms for the Multi30k recipe's
+    model)."""
     import zlib
-    params = tuple((p.data.shape, str(p.data.dtype),
-                    zlib.crc32(memoryview(np.ascontiguousarray(p.data)).cast("B")))
-                   for p in model.parameters())
-    return (id(model), repr(model.cfg), str(model.dtype), str(model.compute_dtype), params)
+
+    def weights(m):
+        return (id(m), str(m.dtype), str(m.compute_dtype),
+                tuple((p.data.shape, str(p.data.dtype),
+                       zlib.crc32(memoryview(np.ascontiguousarray(p.data)).cast("B")))
+                      for p in m.parameters()))
+    return (id(model), repr(model.cfg),
+            tuple(weights(m) for m in getattr(model, "models", [model])))
 
 
 _pool_lock = threading.Lock()
@@ -172,26 +179,42 @@ class WorkerPool:
     reloaded in between gets new workers); otherwise it closes that pool and forks a new
     one. A worker holds the model and the code as they were when it was forked: state
     changed since in this process other than the model's (a monkeypatched function, say)
-    reaches the workers only after ``close_workers()``. Workers ignore Ctrl-C, end when this
-    process's end of their pipe closes, and are terminated when it exits (they are daemons).
+    reaches the workers only after ``close_workers()``. Kept workers also keep the memory
+    they share with this process as it was then: a program that goes on to train, say,
+    calls ``close_workers()`` first.
+
+    Workers are plain forks of this process (``os.fork``), each holding only its own end of
+    its pipe, so they end when this process's end closes: when it closes the pool, and when
+    it exits or is killed, however. They ignore Ctrl-C. A process forked from this one does
+    not inherit the pool (``os.register_at_fork``) and cannot end its workers.
     """
 
     current = None
 
     def __init__(self, model, workers, key):
-        import multiprocessing
+        from multiprocessing.connection import Pipe
 
         import threadpoolctl  # noqa: F401  (imported before forking: a worker fails only in work)
-        self.key, self.pid, self.procs = key, os.getpid(), []
+        self.key, self.pid = key, os.getpid()
+        self.workers = []  # [connection, pid or None once reaped], one per worker
         threads = max(1, cpu_count() // workers)
-        ctx = multiprocessing.get_context("fork")
         try:
             for _ in range(workers):
-                here, there = ctx.Pipe()
-                proc = ctx.Process(target=_worker, daemon=True, args=(there, model, threads))
-                proc.start()
+                here, there = Pipe()
+                pid = os.fork()
+                if pid == 0:  # the worker: it never returns into the caller's code
+                    code = 0
+                    try:
+                        here.close()  # (only this process may hold the other ends)
+                        for conn, _ in self.workers:
+                            conn.close()
+                        _worker(there, model, threads)
+                    except BaseException:
+                        code = 1
+                    finally:
+                        os._exit(code)
                 there.close()
-                self.procs.append((here, proc))
+                self.workers.append([here, pid])
         except BaseException:
             self.close()
             raise
@@ -201,45 +224,79 @@ class WorkerPool:
         key = (workers, model_fingerprint(model))
         pool = cls.current
         if pool is not None and (pool.key != key or pool.pid != os.getpid()
-                                 or not all(p.is_alive() for _, p in pool.procs)):
+                                 or not pool.alive()):
             pool.close()
             pool = None
         if pool is None:
             pool = cls.current = cls(model, workers, key)
         return pool
 
+    def alive(self):
+        """Whether every worker is still running (one that ended is reaped here)."""
+        for worker in self.workers:
+            try:
+                ended = worker[1] is None or os.waitpid(worker[1], os.WNOHANG)[0]
+            except ChildProcessError:  # (reaped by someone else)
+                ended = True
+            if ended:
+                worker[1] = None
+                return False
+        return True
+
     def run(self, shares, max_tokens, search):
         """Worker w translates ``shares[w]`` (lists of ids) -> their outputs, in order."""
         from multiprocessing.connection import wait
         pending = {}
-        for w, (share, (conn, proc)) in enumerate(zip(shares, self.procs)):
-            conn.send((share, max_tokens, search))
-            pending[conn] = (w, proc)
+        for w, share in enumerate(shares):
+            conn = self.workers[w][0]
+            try:
+                conn.send((share, max_tokens, search))
+            except OSError:  # (ended since the last call)
+                raise self._died(w) from None
+            pending[conn] = w
         results = [None] * len(shares)
         while pending:
             for conn in wait(list(pending)):
-                w, proc = pending.pop(conn)
+                w = pending.pop(conn)
                 try:
                     ok, value = conn.recv()
                 except (EOFError, OSError):  # (died before or while sending)
-                    proc.join()
-                    raise WorkerDied(f"translation worker {w + 1} of {len(shares)} ended "
-                                     f"without its output (exit code {proc.exitcode}); if "
-                                     "memory ran out, lower --max-tokens or --workers") from None
+                    raise self._died(w) from None
                 if not ok:
                     raise value
                 results[w] = value
         return results
 
+    def _died(self, w):
+        """Reap worker w, which has ended -> the WorkerDied to raise."""
+        code, pid = None, self.workers[w][1]
+        if pid is not None:
+            try:
+                code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            except ChildProcessError:  # (reaped by someone else)
+                pass
+            self.workers[w][1] = None
+        return WorkerDied(f"translation worker {w + 1} of {len(self.workers)} ended without "
+                          f"its output (exit code {code}); if memory ran out, lower "
+                          "--max-tokens or --workers")
+
     def close(self):
-        """Terminate the workers (when this process forked them) and forget the pool."""
+        """End the workers (when this process forked them) and forget the pool."""
         if os.getpid() == self.pid:
-            for conn, proc in self.procs:
-                proc.terminate()
+            for conn, pid in self.workers:
                 conn.close()
-            for _, proc in self.procs:
-                proc.join()
-        self.procs = []
+                if pid is not None:
+                    try:
+                        os.kill(pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            for _, pid in self.workers:
+                if pid is not None:
+                    try:
+                        os.waitpid(pid, 0)
+                    except ChildProcessError:
+                        pass
+        self.workers = []
         if WorkerPool.current is self:
             WorkerPool.current = None
 
@@ -251,12 +308,21 @@ def close_workers():
             WorkerPool.current.close()
 
 
+def _forget_pool_in_child():
+    """In a process just forked from this one: the pool is the parent's, not ours."""
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    WorkerPool.current = None
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+atexit.register(lambda: WorkerPool.current is not None and WorkerPool.current.close())
+
+
 def _worker(conn, model, threads):
     """A worker process: for each (id lists, max_tokens, search options) received, translate
     with ``threads`` BLAS threads and send back (True, outputs), or (False, the exception);
     ends when the pipe closes."""
-    import signal
-
     import threadpoolctl
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threadpoolctl.threadpool_limits(threads, user_api="blas")
