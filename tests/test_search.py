@@ -136,6 +136,21 @@ def test_a_cache_larger_than_its_byte_budget_starts_smaller_and_grows(model, mon
     assert 7 <= state.layers[0]["self"].k_buf.shape[2] < 50
 
 
+def test_a_cache_that_grows_after_sentences_left_keeps_only_the_rows_still_here(model):
+    # growing copies the history of the rows still decoding, not of the whole first batch
+    src = _src()
+    history = np.random.default_rng(7).integers(4, 30, (3, 6))
+    history[:, 0] = CFG.bos_id
+    state = model.start_decoding(src, max_length=2)
+    _feed(model, state, history[:, :2])
+    state.keep_sentences(np.array([2, 0]))  # sentence 1 finished; 2 and 0 go on, reordered
+    scores = _feed(model, state, history[[2, 0], 2:])  # past the capacity of 2 positions
+    cache = state.layers[0]["self"]
+    assert cache.k_buf.shape[0] == 2 and cache.k_buf.shape[2] >= 6
+    np.testing.assert_allclose(scores, _uncached(model, src[[2, 0]], history[[2, 0]]),
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_decoding_with_an_unshared_output_projection():
     # start_decoding keeps the output projection as one (D, V) array (output_weight): for
     # separate embeddings it is out_proj's weight, for shared ones the embedding transposed

@@ -57,12 +57,15 @@ class SelfCache:
         return self.v_buf[:self.rows, :, :self.length]
 
     def _grow(self, need):
+        """New buffers of twice the positions (at least ``need``) for the rows still here:
+        by the time outputs outgrow the first capacity, most sentences of a batch have
+        finished, so the new buffers (and the copy into them) are often far smaller."""
         cap = max(need, 2 * self.k_buf.shape[2])
         for name in ("k_buf", "v_buf"):
             old = getattr(self, name)
-            new = backend.get_array_module(old).empty(old.shape[:2] + (cap,) + old.shape[3:],
-                                                       old.dtype)
-            new[:, :, :self.length] = old[:, :, :self.length]
+            _, H, _, K = old.shape
+            new = backend.get_array_module(old).empty((self.rows, H, cap, K), old.dtype)
+            new[:, :, :self.length] = old[:self.rows, :, :self.length]
             setattr(self, name, new)
 
     def take(self, rows):
