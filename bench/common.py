@@ -118,15 +118,11 @@ def shard_rows(batch, rank, size, pad_id=0):
     rows = [i for i, _ in split_batch(pairs, size)[rank]]
     if not rows:
         return None
-    out = {}
-    for key, a in batch.items():
-        a = a[rows]
-        out[key] = np.ascontiguousarray(a[:, :int((a != pad_id).sum(axis=1).max())])
-    return out
+    return {key: trim(a[rows], pad_id) for key, a in batch.items()}
 
 
 def trim(src, pad_id=0):
-    """A padded (B, S) batch (B may be 0) cut to the length of its longest row."""
+    """A padded (B, S) array (B may be 0) cut to the length of its longest row."""
     if not len(src):
         return src
     return np.ascontiguousarray(src[:, :int((src != pad_id).sum(axis=1).max())])

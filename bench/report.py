@@ -100,8 +100,8 @@ def summary(runs):
             if "ours_ranks" in dec:
                 n = r["settings"]["ranks"]
                 a = dec["ours_ranks"][kind]["sentences_per_s"]
-                b = t(dec, kind, "sentences_per_s") and dec["torch_ranks"][kind][
-                    "sentences_per_s"]
+                b = (dec["torch_ranks"][kind]["sentences_per_s"] if "torch_ranks" in dec
+                     else None)
                 lines.append(f"| {c} | {n} ranks x 1 thread | {label} decoding, sentences/s "
                              f"(median; rank r translates sentences r, r + {n}, ... of each "
                              f"batch) | {a:.1f} | {_fmt(b, '.1f')} | "
