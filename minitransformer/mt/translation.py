@@ -223,8 +223,7 @@ class WorkerPool:
     def get(cls, model, workers):
         key = (workers, model_fingerprint(model))
         pool = cls.current
-        if pool is not None and (pool.key != key or pool.pid != os.getpid()
-                                 or not pool.alive()):
+        if pool is not None and (pool.key != key or not pool.alive()):
             pool.close()
             pool = None
         if pool is None:
