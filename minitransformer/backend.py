@@ -77,6 +77,18 @@ def cast(x, dtype):
     return x.astype(dtype, copy=False)
 
 
+def row_max(x):
+    """The maximum over the last axis, keepdims: ``x.max(axis=-1, keepdims=True)``, the same
+    values (a maximum is exact in any order). NumPy reduces a short last axis (fewer than 64
+    numbers: attention scores over a sentence's keys) one row at a time, about 40 ns a row;
+    the rows transposed into columns are reduced with vector instructions, 3 to 4 times
+    faster even counting the transposing copy."""
+    S = x.shape[-1]
+    if get_array_module(x) is not np or S >= 64 or S == 0 or x.size < 2 * S:
+        return x.max(axis=-1, keepdims=True)
+    return x.reshape(-1, S).T.copy().max(axis=0).reshape(x.shape[:-1] + (1,))
+
+
 def to_numpy(array):
     """A NumPy copy (or the array itself when already NumPy)."""
     if _cupy is not None and isinstance(array, _cupy.ndarray):

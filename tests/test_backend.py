@@ -273,3 +273,17 @@ def test_import_has_no_side_effects_and_configure_process_opts_in():
                          check=True).stdout
     # TF32 for training; translate.py's tf32=False: full float32 unless the user set it
     assert json.loads(out) == [True, True, "1", "0", "1"]
+
+
+# ---- row_max ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(7, 3, 1, 20), (256, 31), (5, 64), (3, 200), (1, 9), (4, 0, 5)])
+def test_row_max_equals_the_max_over_the_last_axis(shape):
+    # short rows are reduced transposed (faster on NumPy); the values must be the same,
+    # -inf rows (fully masked attention) and NaN included
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    if x.size:
+        x.reshape(-1, shape[-1])[0] = -np.inf
+        x.reshape(-1, shape[-1])[-1, -1] = np.nan
+    got = backend.row_max(x)
+    np.testing.assert_array_equal(got, x.max(axis=-1, keepdims=True))
+    assert got.dtype == x.dtype

@@ -70,7 +70,7 @@ def attention_probabilities(q, k, key_mask=None, causal=False):
     s = backend.cast(s, acc)
     if bias is not None:
         s += bias
-    m = s.max(axis=-1, keepdims=True)
+    m = backend.row_max(s)
     if bias is not None:  # (no boolean-mask writes: on CuPy each would wait for a count)
         m = xp.where(xp.isfinite(m), m, acc.type(0))  # fully masked row: exp(-inf) = 0
     s -= m

@@ -32,13 +32,20 @@ class LayerNorm(Function):
             return y
         self.in_dtype, acc = x.dtype, backend.accumulation_dtype(x.dtype)
         x = backend.cast(x, acc)
-        mean = x.mean(axis=-1, keepdims=True)
+        D = x.shape[-1]
+        # (sums divided by D, as x.mean computes it; small arrays are updated in place: a
+        # decoding step normalises a few rows, where each NumPy call's set-up is the cost)
+        mean = x.sum(axis=-1, keepdims=True)
+        mean /= D
         xc = x - mean
-        var = (xc * xc).mean(axis=-1, keepdims=True)
-        rstd = 1.0 / xp.sqrt(var + acc.type(self.eps))
+        var = xp.square(xc).sum(axis=-1, keepdims=True)
+        var /= D
+        var += acc.type(self.eps)
+        rstd = xp.divide(1.0, xp.sqrt(var, out=var), out=var)
         xc *= rstd  # xc is now x_hat
         self.x_hat, self.rstd = xc, rstd
-        y = xc * backend.cast(gamma, acc) + backend.cast(beta, acc)
+        y = xc * backend.cast(gamma, acc)
+        y += backend.cast(beta, acc)
         return backend.cast(y, self.in_dtype)
 
     def backward(self, dy):
