@@ -331,3 +331,43 @@ def test_average_checkpoints(tmp_path):
     avg, _ = ckpt.average_checkpoints(paths)
     a, b = (ckpt.load_checkpoint(p)[0] for p in paths)
     np.testing.assert_allclose(avg["embedding"], (a["embedding"] + b["embedding"]) / 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"norm": "pre", "positions": "learned"}])
+def test_the_encoder_on_real_rows_equals_the_padded_encoder(overrides, monkeypatch):
+    # under no_grad in evaluation mode the encoder runs its position-wise layers on the real
+    # tokens only (nn/real_rows.py); the real positions must get the padded batch's numbers
+    from minitransformer.nn import real_rows
+    model = Transformer(tiny_config(**overrides), seed=4, dtype=np.float64)
+    model.eval()
+    r = np.random.default_rng(8)
+    src = r.integers(4, V, (5, 9))
+    for i, n in enumerate((9, 2, 5, 1, 7)):
+        src[i, n:] = 0
+    store = {}
+    model.set_attention_store(store)
+    with no_grad():
+        packed, mask = model.encode(src)
+        monkeypatch.setattr(real_rows, "MIN_PADDING", 2.0)  # never worth it: padded layout
+        padded, _ = model.encode(src)
+    model.set_attention_store(None)
+    assert (packed.data[~mask] == 0).all()  # (the real-rows path ran: padding left at 0)
+    np.testing.assert_allclose(packed.data[mask], padded.data[mask], rtol=1e-13, atol=1e-13)
+    assert [len(store[f"encoder.{i}.self_attn"]) for i in range(2)] == [2, 2]
+    for got, want in (store[f"encoder.{i}.self_attn"] for i in range(2)):
+        # the attention maps (B, H, S, S) of the real queries
+        for s, n in enumerate(mask.sum(axis=1)):
+            np.testing.assert_allclose(got[s, :, :n], want[s, :, :n], rtol=1e-12, atol=1e-14)
+
+
+def test_the_encoder_keeps_the_padded_layout_when_recording_training_or_barely_padded():
+    from minitransformer.nn.real_rows import RealRows
+    mask = np.ones((4, 10), bool)
+    mask[0, 5:] = False  # an eighth of the batch is padding
+    with no_grad():
+        assert RealRows.worth_it(mask, training=False) is not None
+        assert RealRows.worth_it(mask, training=True) is None  # dropout draws per position
+        mask[0, 5:] = True
+        assert RealRows.worth_it(mask, training=False) is None  # no padding
+    mask[0, 5:] = False
+    assert RealRows.worth_it(mask, training=False) is None  # a tape is being recorded

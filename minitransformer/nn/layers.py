@@ -48,14 +48,18 @@ class MultiHeadAttention(Module):
                                               for _ in range(4))
         self.store = None  # set to a list to record attention maps (B, H, T, S)
 
-    def forward(self, query, memory, key_mask, causal, cache=None):
+    def forward(self, query, memory, key_mask, causal, cache=None, rows=None):
         """key_mask: bool (B, S) or an additive bias (B, 1, 1, S) (engine/attention.key_bias).
 
         cache (incremental decoding): a SelfCache, to which this step's keys and values are
         appended (self-attention); or a CrossCache holding memory's keys and values, computed
         once per sentence (encoder-decoder attention: memory never changes). A CrossCache's
         ``group`` rows of one sentence (its beams) attend as one block of queries.
+        rows: a RealRows (nn/real_rows.py; the encoder's self-attention under no_grad):
+        query is then the N real positions (N, D) of a padded batch, and so is the output.
         """
+        if rows is not None:
+            return self._on_real_rows(query, key_mask, rows)
         H = self.n_heads
         B, T, D = query.shape
         group = cache.group if isinstance(cache, CrossCache) else 1
@@ -72,6 +76,20 @@ class MultiHeadAttention(Module):
                                                                        causal)))
         out = self.wo(ops.merge_heads(out, H))
         return out if group == 1 else out.reshape(B, T, D)
+
+    def _on_real_rows(self, x, key_mask, rows):
+        """Self-attention of the real positions x (N, D) of a padded batch -> (N, D): the
+        products run on the N rows, the scores on the padded layout (nn/real_rows.py)."""
+        H = self.n_heads
+        w, b = self.fused_qkv(x.dtype)
+        qkv = rows.scatter(ops.linear(x, Tensor.wrap(w), Tensor.wrap(b)))  # (B, S, 3D)
+        heads = ops.split_heads(qkv, 3 * H).data  # (B, 3H, S, K): q, k, v heads in turn
+        q, k, v = (Tensor.wrap(heads[:, i * H:(i + 1) * H]) for i in range(3))
+        out = scaled_dot_product_attention(q, k, v, key_mask=key_mask)
+        if self.store is not None:
+            self.store.append(backend.to_numpy(attention_probabilities(q.data, k.data,
+                                                                       key_mask)))
+        return self.wo(rows.gather(ops.merge_heads(out, H)))
 
     def memory_kv(self, memory):
         """The keys and values of ``memory`` (B, S, D) -> two (B, H, S, K) Tensors."""
@@ -145,8 +163,9 @@ class EncoderLayer(Module):
         self.sub1 = SublayerConnection(cfg, rng, dtype, device)
         self.sub2 = SublayerConnection(cfg, rng, dtype, device)
 
-    def forward(self, x, src_mask):
-        x = self.sub1(x, lambda h: self.self_attn(h, h, src_mask, causal=False))
+    def forward(self, x, src_mask, rows=None):
+        """x (B, S, D), or its real positions (N, D) with their RealRows ``rows``."""
+        x = self.sub1(x, lambda h: self.self_attn(h, h, src_mask, causal=False, rows=rows))
         return self.sub2(x, self.ff)
 
 

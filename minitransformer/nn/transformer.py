@@ -28,6 +28,7 @@ from .decoder_state import DecoderState
 from .layers import (DecoderLayer, EncoderLayer, FeedForward, MultiHeadAttention,  # noqa: F401
                      SublayerConnection, sinusoids)
 from .module import Dropout, LayerNorm, Linear, Module, parameter
+from .real_rows import RealRows
 
 
 @dataclasses.dataclass
@@ -194,10 +195,15 @@ class Transformer(Module):
         src = self.ids(src)
         src_mask = src != self.cfg.pad_id
         x = self.embed(src, "src")
+        rows = RealRows.worth_it(src_mask, self.training)  # inference: real tokens only
+        if rows is not None:
+            x = rows.gather(x)
         for layer in self.encoder:
-            x = layer(x, src_mask)
+            x = layer(x, src_mask, rows)
         if self.cfg.norm == "pre":
             x = self.enc_norm(x)
+        if rows is not None:
+            x = rows.scatter(x)
         return x, src_mask
 
     def decode(self, tgt_in: Any, memory: Tensor, src_mask: Any, cache: Optional[list] = None,
