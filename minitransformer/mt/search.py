@@ -64,7 +64,7 @@ def _forbid(scores, cfg):
     return scores
 
 
-def top_m(xp, x, m, groups_of=32, with_max=False):
+def top_m(xp, x, m, groups_of=16, with_max=False):
     """Column indices (R, m) of the m largest entries of each row of x (R, V), in any order
     (``with_max``: and each row's largest entry, (R, 1), which the groups give for free).
 
@@ -74,6 +74,8 @@ def top_m(xp, x, m, groups_of=32, with_max=False):
     pass takes the group maxima, (R, groups_of, G).max(axis=1), an elementwise maximum of
     contiguous rows that vectorises well, and the exact selection runs on m * groups_of
     candidates a row instead of V: with NumPy about 7x faster than argpartition over rows.
+    Groups of 16 beat 32 by a quarter for 16 rows of 8000 or 6000 (the group maxima's 16
+    passes cost less than the 32, and the selection runs on half the candidates).
     """
     R, V = x.shape
     G = -(-V // groups_of)
