@@ -287,3 +287,13 @@ def test_row_max_equals_the_max_over_the_last_axis(shape):
     got = backend.row_max(x)
     np.testing.assert_array_equal(got, x.max(axis=-1, keepdims=True))
     assert got.dtype == x.dtype
+
+
+@pytest.mark.parametrize("shape, dtype", [((8000, 128), np.float32), ((37, 5), np.float64),
+                                          ((1, 300), np.float32), ((0, 4), np.float32),
+                                          ((300, 1), np.float16)])
+def test_transposed_is_a_contiguous_copy_of_the_transpose(shape, dtype):
+    a = np.random.default_rng(1).standard_normal(shape).astype(dtype)
+    t = backend.transposed(a)
+    assert t.flags.c_contiguous and t.dtype == a.dtype and not np.shares_memory(t, a)
+    np.testing.assert_array_equal(t, a.T)

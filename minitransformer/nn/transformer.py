@@ -241,7 +241,7 @@ class Transformer(Module):
         w = self.embedding if self.cfg.share_embeddings else self.out_proj.weight
         w = self._in_compute_dtype(w).data
         if self.cfg.share_embeddings:
-            w = w.T
+            return backend.transposed(w)
         return backend.get_array_module(w).ascontiguousarray(w)
 
     def forward(self, src, tgt_in):
