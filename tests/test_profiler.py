@@ -145,6 +145,18 @@ def test_tables_group_by_op_and_by_module_path():
         prof.rows("layer")
 
 
+def test_a_profiled_search_still_names_the_modules():
+    # outside the profiler, inference keeps no stack of running modules (Module.__call__);
+    # a profiled search (no_grad) must still see which module applies each op
+    from minitransformer.mt.search import greedy_search
+    model, b = tiny_model(), batch()
+    with profile(model, peak_gflops=PEAK) as prof:
+        greedy_search(model, b["src"], max_len_a=2)
+    modules = dict(prof.rows("module"))
+    for path in ("encoder.0.ff.w1", "decoder.0.cross_attn.wq", "decoder.0.sub3.norm"):
+        assert path in modules
+
+
 def test_without_a_root_modules_are_named_by_class():
     model, b = tiny_model(), batch()
     with profile(peak_gflops=PEAK) as prof:

@@ -47,6 +47,13 @@ def is_grad_enabled():
     return _grad_mode.enabled
 
 
+def notes_modules():
+    """Whether ops applied now ask which module applies them (``Function.apply`` records a
+    tape, or profiles, or checks for anomalies); in plain inference none does, and
+    ``Module.__call__`` keeps no stack of running modules (engine/scope.py)."""
+    return _grad_mode.enabled or _profiler is not None or anomaly.enabled()
+
+
 class Tensor:
     """An n-d array (numpy or cupy) with an optional gradient.
 

@@ -6,7 +6,7 @@ import numpy as np
 from .. import backend
 from ..engine import ops, scope
 from ..engine.layernorm import layer_norm
-from ..engine.tensor import Tensor
+from ..engine.tensor import Tensor, notes_modules
 
 
 class Module:
@@ -16,6 +16,8 @@ class Module:
     training = True
 
     def __call__(self, *args, **kwargs):
+        if not notes_modules():  # inference: no op asks (a decoding step makes ~35 calls)
+            return self.forward(*args, **kwargs)
         scope.push(self)  # (each op applied in forward records this module: engine/scope.py)
         try:
             return self.forward(*args, **kwargs)
