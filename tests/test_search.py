@@ -326,3 +326,14 @@ def test_no_threads_for_few_sentences_or_while_the_attention_store_is_on(model, 
         assert search.search_threads(model, 64) == 1  # (the maps follow one thread's ops)
     finally:
         model.set_attention_store(None)
+
+
+@pytest.mark.parametrize("V", [8000, 6000, 37000, 23, 1])
+def test_row_sums_are_accurate_and_each_row_its_own(V):
+    from minitransformer.mt.search import row_sums
+    e = np.exp(np.random.default_rng(V).standard_normal((13, V)) * 3).astype(np.float32)
+    got = row_sums(np, e)
+    assert got.shape == (13, 1) and got.dtype == np.float32
+    np.testing.assert_allclose(got[:, 0], e.astype(np.float64).sum(axis=1), rtol=5e-7)
+    for a, b in ((0, 1), (3, 4), (5, 13), (0, 13)):  # any rows alone give the same numbers
+        np.testing.assert_array_equal(row_sums(np, e[a:b]), got[a:b])

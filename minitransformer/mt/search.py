@@ -207,15 +207,27 @@ def _beam(model, src, beam, alpha, max_len_a, length_penalty, return_all):
 
 def log_softmax_at(xp, z, cols, zmax=None):
     """log_softmax(z) (engine/softmax.py) at the columns ``cols`` (R, m) of z (R, V) only:
-    the same float operations on those entries, (z - max) - log(sum(exp(z - max))), without
-    writing out the other V - m. z is overwritten (exp(z - max)). ``zmax``: each row's
-    largest entry (R, 1), when the caller has it (one pass over z fewer)."""
+    (z - max) - log(sum(exp(z - max))) on those entries, without writing out the other
+    V - m. z is overwritten (exp(z - max)). ``zmax``: each row's largest entry (R, 1), when
+    the caller has it (one pass over z fewer). The sum is ``row_sums``'."""
     m = z.max(axis=-1, keepdims=True) if zmax is None else zmax
     picked = xp.take_along_axis(z, cols, 1) - m
     z -= m
     xp.exp(z, out=z)
-    picked -= xp.log(z.sum(axis=-1, keepdims=True))
+    picked -= xp.log(row_sums(xp, z))
     return picked
+
+
+def row_sums(xp, z):
+    """The sums of the rows of z (R, V) -> (R, 1). On NumPy each row is summed as up to 16
+    contiguous blocks (einsum's vectorised loop), then the block sums: as accurate as
+    NumPy's pairwise ``sum`` (relative error about 1e-7 for V = 8000 in float32) and 2.3x
+    faster; a row's sum depends on that row alone, not on the rows summed with it."""
+    if xp is not np:
+        return z.sum(axis=-1, keepdims=True)
+    R, V = z.shape
+    blocks = next(c for c in (16, 8, 4, 2, 1) if V % c == 0)
+    return np.einsum("ijk->ij", z.reshape(R, blocks, V // blocks)).sum(axis=-1, keepdims=True)
 
 
 # Row blocks smaller than this many scores are not worth a thread (a hand-off costs ~50 us).
