@@ -573,6 +573,9 @@ def run_config(name, args, machine, peak):
     steps = args.steps if args.steps is not None else spec["steps"]
     warmup = args.warmup if args.warmup is not None else spec["warmup"]
     n_dec = args.decode_sentences or spec["decode_sentences"]
+    # (a tiny model's search of 128 sentences takes ~0.1 s: one such run on a shared machine
+    # is noisy, so its median is taken over more of them)
+    reps = args.decode_reps or spec["decode_reps"]
     max_tokens = args.max_tokens or spec["max_tokens"]
     frameworks = ["ours"] + (["torch"] if args.torch else [])
     ranked = [fw + "_ranks" for fw in frameworks] if args.ranks > 1 else []
@@ -670,13 +673,13 @@ def run_config(name, args, machine, peak):
         for kind in ("greedy", "beam"):
             for fw in decoders:
                 workers[fw]("decode", kind=kind, warmup=True)
-            for rep in range(args.decode_reps):
+            for rep in range(reps):
                 order = decoders if rep % 2 == 0 else decoders[::-1]
                 for fw in order:
                     r = workers[fw]("decode", kind=kind)
                     outputs[fw].setdefault(kind, r.pop("outputs"))
                     dec[fw][kind].append(r)
-                print(f"   {kind} rep {rep + 1}/{args.decode_reps}: " + "  ".join(
+                print(f"   {kind} rep {rep + 1}/{reps}: " + "  ".join(
                     f"{fw} {dec[fw][kind][-1]['seconds']:.2f} s "
                     f"({dec[fw][kind][-1]['sentences'] / dec[fw][kind][-1]['seconds']:.1f} sent/s,"
                     f" {dec[fw][kind][-1]['out_tokens']} tokens out)" for fw in decoders),
@@ -833,7 +836,8 @@ def parse_args(argv=None):
                         "with little memory")
     p.add_argument("--decode-sentences", type=int,
                    help="sentences to translate (default: 128 tiny, 64 base-lite)")
-    p.add_argument("--decode-reps", type=int, default=3, help="timed repetitions of each search")
+    p.add_argument("--decode-reps", type=int,
+                   help="timed repetitions of each search (default: 9 tiny, 3 base-lite and base)")
     p.add_argument("--decode-max-tokens", type=int, default=4096,
                    help="padded source tokens per decoding batch (translate.py's default)")
     p.add_argument("--beam", type=int, default=4)

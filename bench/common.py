@@ -29,11 +29,11 @@ from minitransformer.mt.translation import pad_batch as pad  # (B, L) int64, pad
 GPU_ONLY = {"base"}
 CONFIGS = {
     "tiny": dict(model=dict(n_layers=2, d_model=128, n_heads=4, d_ff=512, vocab_size=8000),
-                 max_tokens=2000, warmup=3, steps=20, decode_sentences=128),
+                 max_tokens=2000, warmup=3, steps=20, decode_sentences=128, decode_reps=9),
     "base-lite": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_ff=2048, vocab_size=8000),
-                      max_tokens=4000, warmup=3, steps=8, decode_sentences=64),
+                      max_tokens=4000, warmup=3, steps=8, decode_sentences=64, decode_reps=3),
     "base": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_ff=2048, vocab_size=37000),
-                 max_tokens=12000, warmup=5, steps=20, decode_sentences=256),
+                 max_tokens=12000, warmup=5, steps=20, decode_sentences=256, decode_reps=3),
 }
 MODEL_COMMON = dict(dropout=0.1, label_smoothing=0.1, smoothing="others", norm="post",
                     positions="sinusoidal", sinusoid_layout="interleaved", share_embeddings=True,
