@@ -360,6 +360,26 @@ def test_the_encoder_on_real_rows_equals_the_padded_encoder(overrides, monkeypat
             np.testing.assert_allclose(got[s, :, :n], want[s, :, :n], rtol=1e-12, atol=1e-14)
 
 
+def test_decoding_from_the_real_rows_gives_the_padded_batch_scores(monkeypatch):
+    # start_decoding computes the encoder-decoder keys and values on the real rows too
+    from minitransformer.nn import real_rows
+    model = Transformer(tiny_config(), seed=5, dtype=np.float64)
+    model.eval()
+    src = np.random.default_rng(9).integers(4, V, (4, 8))
+    src[1, 2:] = src[2, 5:] = src[3, 1:] = 0
+    bos = np.full((4, 1), model.cfg.bos_id)
+
+    def first_two_steps():
+        state = model.start_decoding(src)
+        first = model.next_scores(bos, state, log_probs=True)
+        return first, model.next_scores(first.argmax(axis=-1)[:, None], state, log_probs=True)
+
+    packed = first_two_steps()
+    monkeypatch.setattr(real_rows, "MIN_PADDING", 2.0)
+    for got, want in zip(packed, first_two_steps()):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+
+
 def test_the_encoder_keeps_the_padded_layout_when_recording_training_or_barely_padded():
     from minitransformer.nn.real_rows import RealRows
     mask = np.ones((4, 10), bool)

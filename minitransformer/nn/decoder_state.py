@@ -104,11 +104,12 @@ class CrossCache:
     def __init__(self, group=1):
         self.group, self.k, self.v = group, None, None
 
-    def fill(self, attention, memory):
+    def fill(self, attention, memory, rows=None):
         """Compute the keys and values of ``memory`` with ``attention`` (the layer's
-        MultiHeadAttention), unless they are here already."""
+        MultiHeadAttention), unless they are here already (``rows``: memory is the real
+        rows of a padded batch, as MultiHeadAttention.memory_kv takes them)."""
         if self.k is None:
-            self.k, self.v = (t.data for t in attention.memory_kv(memory))
+            self.k, self.v = (t.data for t in attention.memory_kv(memory, rows))
 
     def take(self, sentences):
         """Sentence i becomes old sentence ``sentences[i]`` (host int array): only the ones

@@ -91,9 +91,13 @@ class MultiHeadAttention(Module):
                                                                        key_mask)))
         return self.wo(rows.gather(ops.merge_heads(out, H)))
 
-    def memory_kv(self, memory):
-        """The keys and values of ``memory`` (B, S, D) -> two (B, H, S, K) Tensors."""
+    def memory_kv(self, memory, rows=None):
+        """The keys and values of ``memory`` (B, S, D) -> two (B, H, S, K) Tensors. With a
+        RealRows ``rows``, memory is the real rows (N, D) of a padded batch: the products
+        run on them, and the padding's keys and values are 0 (masked, as in _on_real_rows)."""
         H = self.n_heads
+        if rows is not None:
+            return tuple(ops.split_heads(rows.scatter(m(memory)), H) for m in (self.wk, self.wv))
         return ops.split_heads(self.wk(memory), H), ops.split_heads(self.wv(memory), H)
 
     def fused_qkv(self, dtype):

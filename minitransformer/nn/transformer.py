@@ -192,6 +192,12 @@ class Transformer(Module):
 
     def encode(self, src: Any) -> tuple[Tensor, Any]:
         """src ids (B, S) -> memory (B, S, D), src_mask bool (B, S) (True = real token)."""
+        x, src_mask, rows = self._encode(src)
+        return (x if rows is None else rows.scatter(x)), src_mask
+
+    def _encode(self, src):
+        """encode, but under no_grad in evaluation mode the memory may come as its real
+        rows (N, D), with their RealRows (nn/real_rows.py; else None)."""
         src = self.ids(src)
         src_mask = src != self.cfg.pad_id
         x = self.embed(src, "src")
@@ -202,9 +208,7 @@ class Transformer(Module):
             x = layer(x, src_mask, rows)
         if self.cfg.norm == "pre":
             x = self.enc_norm(x)
-        if rows is not None:
-            x = rows.scatter(x)
-        return x, src_mask
+        return x, src_mask, rows
 
     def decode(self, tgt_in: Any, memory: Tensor, src_mask: Any, cache: Optional[list] = None,
                offset: int = 0) -> Tensor:
@@ -278,11 +282,11 @@ class Transformer(Module):
         computed here, once per sentence; ``max_length`` (the most tokens a row will be fed)
         sizes the self-attention caches. Decoding never records a tape (no_grad)."""
         with no_grad():
-            memory, src_mask = self.encode(src)
+            memory, src_mask, rows = self._encode(src)
             acc = backend.accumulation_dtype(self.compute_dtype)
             state = DecoderState(key_bias(src_mask, acc), len(self.decoder), beams, max_length)
             for layer, cache in zip(self.decoder, state.layers):
-                cache["cross"].fill(layer.cross_attn, memory)
+                cache["cross"].fill(layer.cross_attn, memory, rows)
                 cache["self"].qkv = layer.self_attn.fused_qkv(self.compute_dtype)
             state.out_weight = self.output_weight()
         return state
