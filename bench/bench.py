@@ -11,7 +11,9 @@ in PyTorch, measured in one run.
 How it measures (details in bench/RESULTS.md, "Method"):
 * Each framework runs in its own worker process (so ru_maxrss is its own peak); the parent
   drives both step by step and alternates them (ours, torch, torch, ours, ...), so noise from
-  other processes on the machine hits both alike. The idle worker waits on a pipe.
+  other processes on the machine hits both alike. The idle worker waits on a pipe, and each
+  timed call starts 0.25 s after the last one ended, when the threads a worker leaves
+  spinning (OpenBLAS's, about 0.1 s) have gone to sleep.
 * Both get the same synthetic batches (built from one seed in each worker; their hashes are
   compared) and the same initial weights (ours writes them, torch loads them), and their
   no-dropout loss on the first batch is compared before training starts.
@@ -58,6 +60,10 @@ import report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMUP_LR_STEPS = 4000  # the paper's warm-up, for noam_lr; both frameworks use the same lr
+# Pause before each timed call: a worker's BLAS or OpenMP threads keep spinning after its last
+# call (NumPy's OpenBLAS for about 0.1 s, measured: 0.1 s of CPU in an idle 0.2 s; PyTorch's
+# libgomp about 0.01 s), and would take a core from whichever worker is timed next.
+SETTLE_SECONDS = 0.25
 
 
 # ==== workers ==================================================================================
@@ -636,6 +642,7 @@ def run_config(name, args, machine, peak):
         for i in range(warmup + steps):
             order = trainers if i % 2 == 0 else trainers[::-1]
             for fw in order:
+                time.sleep(SETTLE_SECONDS)
                 train[fw].append(workers[fw]("train_step", i=i))
             r = train["ours"][-1]
             msg = f"   step {i + 1:2d}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: " \
@@ -676,6 +683,7 @@ def run_config(name, args, machine, peak):
             for rep in range(reps):
                 order = decoders if rep % 2 == 0 else decoders[::-1]
                 for fw in order:
+                    time.sleep(SETTLE_SECONDS)
                     r = workers[fw]("decode", kind=kind)
                     outputs[fw].setdefault(kind, r.pop("outputs"))
                     dec[fw][kind].append(r)

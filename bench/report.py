@@ -379,9 +379,12 @@ METHOD = """## Method
   source and target tokens (as the package's loader does), shuffled. Both frameworks get the
   identical batches (hashes compared). Tokens/s counts non-padding target tokens.
 * **Fair timing on a shared machine.** Each framework in its own process; the parent alternates
-  them step by step (ours, torch, then torch, ours, ...), medians over the timed steps. torch gets
-  as many threads as numpy's OpenBLAS uses. On a GPU the timers are bracketed by
-  `cupy.cuda.Device().synchronize()` / `torch.cuda.synchronize()`.
+  them step by step (ours, torch, then torch, ours, ...), medians over the timed steps, and
+  each timed call starts 0.25 s after the previous one ended (a worker's BLAS threads keep
+  spinning for about 0.1 s after its last call; NumPy's OpenBLAS does, and would take a core
+  from the worker timed next). torch gets as many threads as numpy's OpenBLAS uses. On a
+  GPU the timers are bracketed by `cupy.cuda.Device().synchronize()` /
+  `torch.cuda.synchronize()`.
 * **Data-parallel ranks** (`--ranks N`, where shown). On a CPU a NumPy process keeps its
   elementwise work on one core, so `train.py` can instead run as N processes with one BLAS
   thread each (`OPENBLAS_NUM_THREADS=1 mpiexec -n N --bind-to core python train.py ...`).
