@@ -1,6 +1,9 @@
 """The decoder state incremental decoding carries (nn/decoder_state.py), as mt/search.py uses
 it: after rows are kept, repeated or their histories reordered, the next scores equal those
 of decoding the resulting token histories from scratch, without a cache."""
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -337,3 +340,36 @@ def test_row_sums_are_accurate_and_each_row_its_own(V):
     np.testing.assert_allclose(got[:, 0], e.astype(np.float64).sum(axis=1), rtol=5e-7)
     for a, b in ((0, 1), (3, 4), (5, 13), (0, 13)):  # any rows alone give the same numbers
         np.testing.assert_array_equal(row_sums(np, e[a:b]), got[a:b])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs per-thread CPU affinity and two CPUs")
+@pytest.mark.parametrize("own_cores", [True, False])
+def test_shared_out_pins_its_threads_one_per_core_when_the_process_has_the_cores(
+        model, monkeypatch, own_cores):
+    # one thread per core: each thread on a CPU of its own, so that threads woken after an
+    # idle spell do not share a core; on a machine with more cores than threads, no pinning
+    from minitransformer.mt import search
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = len(cpus) if own_cores else len(cpus) - 1
+    if threads < 2:
+        pytest.skip("needs three CPUs to leave one over")
+    monkeypatch.setattr(search, "cpu_threads", lambda: threads)
+    monkeypatch.setattr(search, "_search_pool", {"pid": None, "executor": None, "size": 0})
+    seen = {}
+    barrier = threading.Barrier(threads, timeout=10)
+
+    def record(part):
+        barrier.wait()  # (every share in a thread of its own)
+        seen[threading.get_ident()] = sorted(os.sched_getaffinity(0))
+        return [0] * len(part)
+
+    src = np.full((8 * threads, 3), 5)
+    assert search.shared_out(model, src, record) == [0] * len(src)
+    search._search_pool["executor"].shutdown()
+    assert len(seen) == threads
+    if own_cores:
+        assert sorted(c for got in seen.values() for c in got) == cpus  # one CPU each
+    else:
+        assert all(got == cpus for got in seen.values())  # left to the scheduler
+    assert sorted(os.sched_getaffinity(0)) == cpus  # (the calling thread is left alone)
