@@ -373,3 +373,24 @@ def test_shared_out_pins_its_threads_one_per_core_when_the_process_has_the_cores
     else:
         assert all(got == cpus for got in seen.values())  # left to the scheduler
     assert sorted(os.sched_getaffinity(0)) == cpus  # (the calling thread is left alone)
+
+
+def test_by_rows_gives_every_thread_a_chunk_however_large_the_chunks(monkeypatch):
+    from minitransformer.mt import search
+    monkeypatch.setattr(search, "cpu_threads", lambda: 2)
+    monkeypatch.setattr(search, "MIN_BLOCK", 1)
+    monkeypatch.setattr(search, "CHUNK_BYTES", 1 << 30)  # one chunk would hold every row
+    z = np.arange(7 * 5, dtype=np.float32).reshape(7, 5)
+    calls = []
+
+    def fn(rows):
+        calls.append((threading.get_ident(), len(rows)))
+        return (rows.sum(axis=1),)
+
+    got = search.by_rows(np, fn, z)
+    np.testing.assert_array_equal(got[0], z.sum(axis=1))
+    assert sorted(n for _, n in calls) == [3, 4]  # two chunks, one a thread
+    monkeypatch.setattr(search, "cpu_threads", lambda: 1)
+    calls.clear()
+    search.by_rows(np, fn, z)
+    assert [n for _, n in calls] == [7]  # one thread: one chunk
