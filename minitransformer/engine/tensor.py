@@ -47,11 +47,11 @@ def is_grad_enabled():
     return _grad_mode.enabled
 
 
-def notes_modules():
-    """Whether ops applied now ask which module applies them (``Function.apply`` records a
-    tape, or profiles, or checks for anomalies); in plain inference none does, and
-    ``Module.__call__`` keeps no stack of running modules (engine/scope.py)."""
-    return _grad_mode.enabled or _profiler is not None or anomaly.enabled()
+def plain_inference():
+    """Whether ops applied now only compute: no tape recorded, no profiler, no anomaly
+    checks. ``Function.apply`` then takes its short path, and ``Module.__call__`` keeps no
+    stack of running modules (engine/scope.py: only those three ask for it)."""
+    return not (_grad_mode.enabled or _profiler is not None or anomaly.enabled())
 
 
 class Tensor:
@@ -316,13 +316,13 @@ class Function:
     @classmethod
     def apply(cls, *inputs: Any, **options: Any) -> Tensor:
         fn = cls(**options)
-        grad = _grad_mode.enabled
-        if not grad and _profiler is None and not anomaly.enabled():
+        if plain_inference():
             # inference (decoding under no_grad): no tape, nothing kept beyond this call
             # (a decoding step applies about 20 ops a layer, each on a few rows: this path
             # is kept short)
             return Tensor.wrap(fn.forward(*[x.data if isinstance(x, Tensor) else
                                             as_tensor(x).data for x in inputs]))
+        grad = _grad_mode.enabled
         tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
         fn.module = scope.current_module()  # the module whose forward applies it, or None
         if _profiler is None:

@@ -70,35 +70,44 @@ class MultiHeadAttention(Module):
         out = scaled_dot_product_attention(q, k, v, key_mask=key_mask, causal=causal,
                                            dropout=self.cfg.attention_dropout, rng=self.rng,
                                            training=self.training)
-        if self.store is not None:  # attention maps for plots, (B, H, T, S), recomputed
-            mask = key_mask.data if isinstance(key_mask, Tensor) else key_mask
-            self.store.append(backend.to_numpy(attention_probabilities(q.data, k.data, mask,
-                                                                       causal)))
+        self._record(q, k, key_mask, causal)
         out = self.wo(ops.merge_heads(out, H))
         return out if group == 1 else out.reshape(B, T, D)
 
     def _on_real_rows(self, x, key_mask, rows):
         """Self-attention of the real positions x (N, D) of a padded batch -> (N, D): the
         products run on the N rows, the scores on the padded layout (nn/real_rows.py)."""
-        H = self.n_heads
-        w, b = self.fused_qkv(x.dtype)
-        qkv = rows.scatter(ops.linear(x, Tensor.wrap(w), Tensor.wrap(b)))  # (B, S, 3D)
-        heads = ops.split_heads(qkv, 3 * H).data  # (B, 3H, S, K): q, k, v heads in turn
-        q, k, v = (Tensor.wrap(heads[:, i * H:(i + 1) * H]) for i in range(3))
+        q, k, v = (Tensor.wrap(a) for a in self._qkv_heads(x, self.fused_qkv(x.dtype), rows))
         out = scaled_dot_product_attention(q, k, v, key_mask=key_mask)
+        self._record(q, k, key_mask, False)
+        return self.wo(rows.gather(ops.merge_heads(out, self.n_heads)))
+
+    def _qkv_heads(self, x, qkv, rows=None):
+        """x [W_q W_k W_v] + [b_q b_k b_v] (``qkv``, from fused_qkv) as one product -> the
+        q, k and v heads, three (B, H, T, K) arrays (views); ``rows``: x is the real rows of
+        a padded batch, scattered into it after the product."""
+        H = self.n_heads
+        y = ops.linear(x, Tensor.wrap(qkv[0]), Tensor.wrap(qkv[1]))  # (..., 3D)
+        if rows is not None:
+            y = rows.scatter(y)
+        heads = ops.split_heads(y, 3 * H).data  # (B, 3H, T, K): q, k, v heads in turn
+        return heads[:, :H], heads[:, H:2 * H], heads[:, 2 * H:]
+
+    def _record(self, q, k, key_mask, causal):
+        """Attention maps for plots, (B, H, T, S), recomputed, when a store is set."""
         if self.store is not None:
-            self.store.append(backend.to_numpy(attention_probabilities(q.data, k.data,
-                                                                       key_mask)))
-        return self.wo(rows.gather(ops.merge_heads(out, H)))
+            mask = key_mask.data if isinstance(key_mask, Tensor) else key_mask
+            self.store.append(backend.to_numpy(attention_probabilities(q.data, k.data, mask,
+                                                                       causal)))
 
     def memory_kv(self, memory, rows=None):
         """The keys and values of ``memory`` (B, S, D) -> two (B, H, S, K) Tensors. With a
         RealRows ``rows``, memory is the real rows (N, D) of a padded batch: the products
         run on them, and the padding's keys and values are 0 (masked, as in _on_real_rows)."""
-        H = self.n_heads
+        kv = (self.wk(memory), self.wv(memory))
         if rows is not None:
-            return tuple(ops.split_heads(rows.scatter(m(memory)), H) for m in (self.wk, self.wv))
-        return ops.split_heads(self.wk(memory), H), ops.split_heads(self.wv(memory), H)
+            kv = (rows.scatter(t) for t in kv)
+        return tuple(ops.split_heads(t, self.n_heads) for t in kv)
 
     def fused_qkv(self, dtype):
         """[W_q W_k W_v] (D, 3D) and [b_q b_k b_v] (3D,) as ``dtype`` arrays: the three
@@ -115,11 +124,9 @@ class MultiHeadAttention(Module):
         H = self.n_heads
         if isinstance(cache, SelfCache) and cache.qkv is not None:
             # self-attention, one step of decoding (no_grad): one product for q, k and v
-            w, b = cache.qkv
-            heads = ops.split_heads(ops.linear(query, Tensor.wrap(w), Tensor.wrap(b)),
-                                    3 * H).data  # (B, 3H, T, K): q, k, v heads in turn
-            k, v = cache.append(heads[:, H:2 * H], heads[:, 2 * H:])
-            return Tensor.wrap(heads[:, :H]), Tensor.wrap(k), Tensor.wrap(v)
+            q, k, v = self._qkv_heads(query, cache.qkv)
+            k, v = cache.append(k, v)
+            return Tensor.wrap(q), Tensor.wrap(k), Tensor.wrap(v)
         q = ops.split_heads(self.wq(query), H)
         if cache is None:
             return (q,) + self.memory_kv(memory)

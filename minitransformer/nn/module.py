@@ -6,7 +6,7 @@ import numpy as np
 from .. import backend
 from ..engine import ops, scope
 from ..engine.layernorm import layer_norm
-from ..engine.tensor import Tensor, notes_modules
+from ..engine.tensor import Tensor, plain_inference
 
 
 class Module:
@@ -16,7 +16,7 @@ class Module:
     training = True
 
     def __call__(self, *args, **kwargs):
-        if not notes_modules():  # inference: no op asks (a decoding step makes ~35 calls)
+        if plain_inference():  # no op asks which module runs (a decoding step: ~35 calls)
             return self.forward(*args, **kwargs)
         scope.push(self)  # (each op applied in forward records this module: engine/scope.py)
         try:
