@@ -394,3 +394,67 @@ def test_by_rows_gives_every_thread_a_chunk_however_large_the_chunks(monkeypatch
     calls.clear()
     search.by_rows(np, fn, z)
     assert [n for _, n in calls] == [7]  # one thread: one chunk
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_array_step_gives_the_numbers_of_forward_bit_for_bit(norm, dtype, monkeypatch):
+    # next_scores runs each decoder layer's ``step`` on raw arrays; with it switched off it
+    # runs the same layers' forward on Tensors. Greedy rows (group 1), then three beams a
+    # sentence with reordered histories and a sentence gone: the same scores, bit for bit.
+    from minitransformer.nn.layers import DecoderLayer
+    cfg = TransformerConfig(vocab_size=30, d_model=16, n_heads=2, d_ff=32, n_layers=2,
+                            dropout=0.0, norm=norm)
+    m = Transformer(cfg, seed=4, dtype=dtype)
+    m.eval()
+    src = _src()
+    rng = np.random.default_rng(14)
+    history = rng.integers(4, 30, (3, 4))
+    history[:, 0] = cfg.bos_id
+    nxt = rng.integers(4, 30, (6, 2))
+    steps = []
+    monkeypatch.setattr(DecoderLayer, "step", lambda self, *a, f=DecoderLayer.step:
+                        steps.append(1) or f(self, *a))
+
+    steps_if_it_may = Transformer._steps
+
+    def run(use_steps):
+        monkeypatch.setattr(Transformer, "_steps", lambda self, state:
+                            use_steps and steps_if_it_may(self, state))
+        state = m.start_decoding(src)
+        out = [_feed(m, state, history)]
+        state.keep_sentences(np.array([2, 0]), rows=np.array([2, 2, 2, 0, 0, 0]), group=3)
+        out.append(m.next_scores(nxt[:, :1], state))
+        state.reorder_beams(np.array([1, 0, 0, 5, 3, 4]))
+        out.append(m.next_scores(nxt[:, 1:], state, log_probs=True))
+        return out
+
+    plain = run(False)
+    assert not steps
+    stepped = run(True)
+    assert len(steps) == 6 * cfg.n_layers  # every step of the second run went through step
+    for a, b in zip(stepped, plain):
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_profiled_or_recorded_decode_goes_through_forward(model):
+    # the profiler follows Functions and the attention store records maps in forward: with
+    # either on (or with a tape), next_scores does not take the array step
+    from minitransformer.engine.profiler import profile
+    from minitransformer.engine.tensor import no_grad
+    state = model.start_decoding(_src())
+    assert not model._steps(state)  # (a tape would be recorded here)
+    with no_grad():
+        assert model._steps(state)
+        with profile(model):
+            assert not model._steps(state)
+        store = {}
+        model.set_attention_store(store)
+        try:
+            assert not model._steps(state)
+            model.next_scores(np.full((3, 1), CFG.bos_id), state)
+            assert len(store["decoder.0.cross_attn"]) == 1
+        finally:
+            model.set_attention_store(None)
+        assert model._steps(state)

@@ -25,28 +25,9 @@ class LayerNorm(Function):
     options = {"eps": 1e-5}
 
     def forward(self, x, gamma, beta):
-        xp = backend.get_array_module(x)
-        self.gamma = gamma
-        if cuda_kernels.use_for(xp):  # the same formulas, one CUDA block per row
-            y, self.x_hat, self.rstd = cuda_kernels.layer_norm_forward(x, gamma, beta, self.eps)
-            return y
-        self.in_dtype, acc = x.dtype, backend.accumulation_dtype(x.dtype)
-        x = backend.cast(x, acc)
-        D = x.shape[-1]
-        # (sums divided by D, as x.mean computes it; small arrays are updated in place: a
-        # decoding step normalises a few rows, where each NumPy call's set-up is the cost)
-        mean = x.sum(axis=-1, keepdims=True)
-        mean /= D
-        xc = x - mean
-        var = xp.square(xc).sum(axis=-1, keepdims=True)
-        var /= D
-        var += acc.type(self.eps)
-        rstd = xp.divide(1.0, xp.sqrt(var, out=var), out=var)
-        xc *= rstd  # xc is now x_hat
-        self.x_hat, self.rstd = xc, rstd
-        y = xc * backend.cast(gamma, acc)
-        y += backend.cast(beta, acc)
-        return backend.cast(y, self.in_dtype)
+        self.gamma, self.in_dtype = gamma, x.dtype
+        y, self.x_hat, self.rstd = normalize(x, gamma, beta, self.eps)
+        return y
 
     def backward(self, dy):
         x_hat, rstd, gamma = self.x_hat, self.rstd, self.gamma
@@ -62,6 +43,31 @@ class LayerNorm(Function):
         dx -= x_hat * (dxh * x_hat).mean(axis=-1, keepdims=True)
         dx *= rstd
         return backend.cast(dx, self.in_dtype), dgamma, dbeta
+
+
+def normalize(x, gamma, beta, eps=1e-5, keep_x_hat=True):
+    """The forward's arithmetic on arrays (the module docstring): x (..., D), gamma and beta
+    (D,) -> (y, x_hat, rstd). ``keep_x_hat=False`` (a decoding step, which has no backward):
+    y is computed in x_hat's array, the same numbers with one array fewer."""
+    xp = backend.get_array_module(x)
+    if cuda_kernels.use_for(xp):  # the same formulas, one CUDA block per row
+        return cuda_kernels.layer_norm_forward(x, gamma, beta, eps)
+    in_dtype, acc = x.dtype, backend.accumulation_dtype(x.dtype)
+    x = backend.cast(x, acc)
+    D = x.shape[-1]
+    # (sums divided by D, as x.mean computes it; small arrays are updated in place: a
+    # decoding step normalises a few rows, where each NumPy call's set-up is the cost)
+    mean = x.sum(axis=-1, keepdims=True)
+    mean /= D
+    xc = x - mean
+    var = xp.square(xc).sum(axis=-1, keepdims=True)
+    var /= D
+    var += acc.type(eps)
+    rstd = xp.divide(1.0, xp.sqrt(var, out=var), out=var)
+    xc *= rstd  # xc is now x_hat
+    y = xc * backend.cast(gamma, acc) if keep_x_hat else xp.multiply(xc, gamma, out=xc)
+    y += backend.cast(beta, acc)
+    return backend.cast(y, in_dtype), (xc if keep_x_hat else None), rstd
 
 
 def layer_norm(x, gamma, beta, eps=1e-5):

@@ -263,10 +263,7 @@ class Linear(Function):
     def forward(self, x, w, b=None):
         self.x, self.w = x, w
         self.b_dtype = None if b is None else b.dtype
-        y = x.reshape(-1, x.shape[-1]) @ w
-        if b is not None:
-            y += b
-        return y.reshape(x.shape[:-1] + (w.shape[1],))
+        return affine(x, w, b)
 
     def backward(self, dy):
         x, w = self.x, self.w
@@ -358,6 +355,15 @@ def matmul(a, b): return MatMul.apply(*_pair(a, b))
 def cast(x, dtype):
     """x as ``dtype`` (a Cast node on the tape, also when the dtype is already x's)."""
     return Cast.apply(x, dtype=np.dtype(dtype))
+
+
+def affine(x, w, b=None):
+    """Linear's forward arithmetic on arrays: x (..., Din) @ w (Din, Dout) + b, as one 2-D
+    GEMM over all rows, b added in place (in y's dtype)."""
+    y = x.reshape(-1, x.shape[-1]) @ w
+    if b is not None:
+        y += b
+    return y.reshape(x.shape[:-1] + (w.shape[1],))
 
 
 def linear(x, weight, bias=None):

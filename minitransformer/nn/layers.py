@@ -74,6 +74,28 @@ class MultiHeadAttention(Module):
         out = self.wo(ops.merge_heads(out, H))
         return out if group == 1 else out.reshape(B, T, D)
 
+    def step(self, x, cache, key_bias=None):
+        """forward(x, ..., cache=cache) for the one new position of each row, on raw arrays
+        (a decoding step under no_grad: ``Transformer.next_scores``): x (R, D) -> (R, D).
+        cache: the layer's SelfCache, with the fused [W_q W_k W_v] (this position's keys and
+        values are appended), or its CrossCache (``group`` rows a sentence attend to the
+        sentence's keys and values as one block of queries) with the source's ``key_bias``.
+        The same products and softmax, in the same order and layout, as forward: the same
+        numbers (tested), without Tensors, Function objects or a tape."""
+        H = self.n_heads
+        R, D = x.shape
+        if isinstance(cache, SelfCache):
+            heads = ops.affine(x, *cache.qkv).reshape(R, 3 * H, 1, D // H)  # split_heads
+            q = heads[:, :H]
+            k, v = cache.append(heads[:, H:2 * H], heads[:, 2 * H:])
+        else:  # split_heads of (sentences, group, D): the group's queries as one block
+            g = cache.group
+            q = self.wq.step(x).reshape(R // g, g, H, D // H).transpose(0, 2, 1, 3)
+            q = backend.get_array_module(q).ascontiguousarray(q)
+            k, v = cache.k, cache.v
+        out = attention_probabilities(q, k, key_bias) @ v  # (ScaledDotProductAttention)
+        return self.wo.step(out.transpose(0, 2, 1, 3).reshape(R, D))  # merge_heads
+
     def _on_real_rows(self, x, key_mask, rows):
         """Self-attention of the real positions x (N, D) of a padded batch -> (N, D): the
         products run on the N rows, the scores on the padded layout (nn/real_rows.py)."""
@@ -148,6 +170,11 @@ class FeedForward(Module):
     def forward(self, x):
         return self.w2(self.drop(ops.relu(self.w1(x))))
 
+    def step(self, x):
+        """forward on a raw array (R, D) in evaluation mode (dropout off), recording nothing."""
+        h = self.w1.step(x)
+        return self.w2.step(backend.get_array_module(h).maximum(h, 0, out=h))  # ReLU
+
 
 class SublayerConnection(Module):
     """post: LayerNorm(x + Dropout(f(x)));  pre: x + Dropout(f(LayerNorm(x))).
@@ -165,6 +192,12 @@ class SublayerConnection(Module):
         if self.pre:
             return dropout_residual(x, f(self.norm(x)), d.rate, d.rng, d.training)
         return self.norm(dropout_residual(x, f(x), d.rate, d.rng, d.training))
+
+    def step(self, x, f):
+        """forward on raw arrays in evaluation mode (dropout off): f takes and returns one."""
+        if self.pre:
+            return x + f(self.norm.step(x))
+        return self.norm.step(x + f(x))
 
 
 class EncoderLayer(Module):
@@ -199,3 +232,11 @@ class DecoderLayer(Module):
         y = self.sub2(y, lambda h: self.cross_attn(h, memory, src_mask, causal=False,
                                                    cache=c_cross))
         return self.sub3(y, self.ff)
+
+    def step(self, y, cache, src_bias):
+        """forward for one new position per row on raw arrays (R, D), in evaluation mode
+        (``Transformer.next_scores``): cache is this layer's {"self", "cross"} as in
+        forward, src_bias the source's additive key mask (engine/attention.key_bias)."""
+        y = self.sub1.step(y, lambda h: self.self_attn.step(h, cache["self"]))
+        y = self.sub2.step(y, lambda h: self.cross_attn.step(h, cache["cross"], src_bias))
+        return self.sub3.step(y, self.ff.step)

@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import backend
 from ..engine import ops, scope
-from ..engine.layernorm import layer_norm
+from ..engine.layernorm import layer_norm, normalize
 from ..engine.tensor import Tensor, plain_inference
 
 
@@ -117,6 +117,11 @@ class Linear(Module):
         w = self.weight if x.dtype == self.weight.dtype else ops.cast(self.weight, x.dtype)
         return ops.linear(x, w, self.bias)
 
+    def step(self, x):
+        """forward on a raw array, recording nothing (a decoding step: nn/layers.py)."""
+        w = backend.cast(self.weight.data, x.dtype)
+        return ops.affine(x, w, None if self.bias is None else self.bias.data)
+
 
 class LayerNorm(Module):
     """Layer normalisation over the last axis with gain gamma = 1 and bias beta = 0 at start."""
@@ -129,6 +134,10 @@ class LayerNorm(Module):
 
     def forward(self, x):
         return layer_norm(x, self.gamma, self.beta, self.eps)
+
+    def step(self, x):
+        """forward on a raw array, recording nothing (a decoding step: nn/layers.py)."""
+        return normalize(x, self.gamma.data, self.beta.data, self.eps, keep_x_hat=False)[0]
 
 
 class Dropout(Module):

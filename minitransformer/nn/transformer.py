@@ -23,6 +23,7 @@ from ..engine.attention import key_bias
 from ..engine.ids import check_ids
 from ..engine.linear_cross_entropy import linear_cross_entropy
 from ..engine.softmax import log_softmax
+from ..engine import tensor as tensor_module
 from ..engine.tensor import Tensor, no_grad
 from .decoder_state import DecoderState
 from .layers import (DecoderLayer, EncoderLayer, FeedForward, MultiHeadAttention,  # noqa: F401
@@ -297,11 +298,39 @@ class Transformer(Module):
         with ``log_probs``. Earlier positions come from the state's caches; the state
         advances by one position."""
         with no_grad():
+            if last.shape[1] == 1 and self._steps(state):
+                h = self._step(last, state)
+                z = Tensor.wrap(backend.cast(ops.affine(h, state.out_weight), self.dtype))
+                return (log_softmax(z) if log_probs else z).data
             h = self.decode(last, None, state.src_bias, cache=state.layers,
                             offset=state.offset)
             state.offset += last.shape[1]
             z = self.logits(h, state.out_weight)
             return (log_softmax(z) if log_probs else z).data[:, -1]
+
+    def _steps(self, state):
+        """Whether next_scores runs the decoder's ``step`` methods on raw arrays: in
+        evaluation mode when nothing watches the ops (no tape, profiler or anomaly mode: they
+        follow Functions, which then run through forward) and no attention maps are being
+        recorded. Both paths give the same numbers (tests/test_search.py)."""
+        return (tensor_module.plain_inference() and not self.training
+                and all(layer.self_attn.store is None and layer.cross_attn.store is None
+                        for layer in self.decoder)
+                and all(c["self"].qkv is not None and c["cross"].k is not None
+                        for c in state.layers))
+
+    def _step(self, last, state):
+        """The decoder output (R, D) for the newest tokens ``last`` (R, 1) of the R rows of
+        ``state``, through each decoder layer's ``step`` (nn/layers.py); the state advances
+        by one position. The embedding runs through forward (one op a step, not a layer)."""
+        x = self.embed(self.ids(last), "tgt", state.offset).data
+        x = x.reshape(x.shape[0], x.shape[2])
+        for layer, cache in zip(self.decoder, state.layers):
+            x = layer.step(x, cache, state.src_bias)
+        if self.cfg.norm == "pre":
+            x = self.dec_norm.step(x)
+        state.offset += 1
+        return x
 
     def set_attention_store(self, store):
         """store: dict to fill with lists of attention maps, or None to stop recording."""
