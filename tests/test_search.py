@@ -458,3 +458,30 @@ def test_a_profiled_or_recorded_decode_goes_through_forward(model):
         finally:
             model.set_attention_store(None)
         assert model._steps(state)
+
+
+def test_largest_selects_the_m_largest_of_each_row_with_ties_and_nan(monkeypatch):
+    # sorted values give each row's m-th largest; rows tied there or holding NaN make the
+    # count differ from m, and argpartition selects instead (counted here)
+    from minitransformer.mt import search
+    rng = np.random.default_rng(15)
+    a = rng.standard_normal((9, 40)).astype(np.float32)
+    calls = []
+    real = np.argpartition
+    monkeypatch.setattr(np, "argpartition", lambda *x, **k: calls.append(1) or real(*x, **k))
+    got = search.largest(np, a, 5)
+    assert not calls  # distinct values: the sorted path
+    for row, want in zip(got, np.argsort(-a, axis=1)[:, :5]):
+        assert sorted(row) == sorted(want)
+    tied = a.copy()
+    tied[4, [3, 7]] = tied[4].max() + 1  # two equal at the top: not a tie at the 5th
+    tied[6, :] = 0.0  # all tied: any 5 are right
+    tied[6, [1, 2, 3]] = [3.0, 2.0, 1.0]
+    got = search.largest(np, tied, 5)
+    assert len(calls) == 1  # row 6 ties at its 5th largest
+    assert {3, 7} <= set(got[4]) and {1, 2, 3} <= set(got[6])
+    assert all(len(set(row)) == 5 for row in got.tolist())
+    nan = a.copy()
+    nan[2, 0] = np.nan  # (sorted last, as the largest)
+    got = search.largest(np, nan, 5)
+    assert len(calls) == 2 and sorted(got[0]) == sorted(np.argsort(-a[0])[:5])

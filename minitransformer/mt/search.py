@@ -76,28 +76,46 @@ def top_m(xp, x, m, groups_of=16, with_max=False):
     contiguous rows that vectorises well, and the exact selection runs on m * groups_of
     candidates a row instead of V: with NumPy about 7x faster than argpartition over rows.
     Groups of 16 beat 32 by a quarter for 16 rows of 8000 or 6000 (the group maxima's 16
-    passes cost less than the 32, and the selection runs on half the candidates).
+    passes cost less than the 32, and the selection runs on half the candidates). Both
+    selections (the groups, then the entries) are ``largest``'s: 64 rows of 8000 in 147 us,
+    220 with argpartition.
     """
     R, V = x.shape
     G = -(-V // groups_of)
     if G <= m:  # a small vocabulary: select directly
-        top = xp.argpartition(x, V - m, axis=1)[:, V - m:]
+        top = largest(xp, x, m)
         return (top, x.max(axis=1, keepdims=True)) if with_max else top
     padded = x
     if G * groups_of != V:  # pad to whole groups with -inf
         padded = xp.concatenate([x, xp.full((R, G * groups_of - V), -xp.inf, x.dtype)], 1)
     group_max = padded.reshape(R, groups_of, G).max(axis=1)  # (R, G)
-    best_groups = xp.argpartition(group_max, G - m, axis=1)[:, G - m:]  # (R, m)
+    best_groups = largest(xp, group_max, m)  # (R, m)
     cols = (best_groups[:, :, None] + G * xp.arange(groups_of)).reshape(R, m * groups_of)
-    n = m * groups_of
-    pick = xp.argpartition(along_rows(xp, padded, cols), n - m, axis=1)[:, n - m:]
-    top = along_rows(xp, cols, pick)
+    top = along_rows(xp, cols, largest(xp, along_rows(xp, padded, cols), m))
     # A padding column can only be picked in a tie at -inf, when a row has fewer than m
     # entries above -inf: such rows are selected directly.
     short = (top >= V).any(axis=1)
     if bool(short.any()):
         top[short] = xp.argpartition(x[short], V - m, axis=1)[:, V - m:]
     return (top, group_max.max(axis=1, keepdims=True)) if with_max else top
+
+
+def largest(xp, a, m):
+    """Column indices (R, m) of the m largest entries of each row of a (R, n), in any order
+    (argpartition's). On NumPy the m-th largest value of each row comes from sorting the
+    values, which NumPy does with vector instructions (64 rows of 500: 19 us, where
+    argpartition, which moves indices one row at a time, takes 80 us); the entries at or
+    above it are then the m largest, unless a row ties there (or holds NaN): when a row
+    has other than m, argpartition selects."""
+    R, n = a.shape
+    if xp is not np or m >= n:
+        return xp.argpartition(a, n - m, axis=1)[:, n - m:]
+    above = np.flatnonzero(a >= np.sort(a, axis=1)[:, n - m, None])  # row by row
+    if len(above) == R * m:
+        rows, cols = np.divmod(above.reshape(R, m), n)
+        if (rows == np.arange(R)[:, None]).all():  # m in each row
+            return cols
+    return np.argpartition(a, n - m, axis=1)[:, n - m:]
 
 
 def along_rows(xp, a, cols):
