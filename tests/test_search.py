@@ -396,15 +396,16 @@ def test_by_rows_gives_every_thread_a_chunk_however_large_the_chunks(monkeypatch
     assert [n for _, n in calls] == [7]  # one thread: one chunk
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("norm, positions", [("post", "sinusoidal"), ("pre", "learned")])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_the_array_step_gives_the_numbers_of_forward_bit_for_bit(norm, dtype, monkeypatch):
+def test_the_array_step_gives_the_numbers_of_forward_bit_for_bit(norm, positions, dtype,
+                                                                  monkeypatch):
     # next_scores runs each decoder layer's ``step`` on raw arrays; with it switched off it
     # runs the same layers' forward on Tensors. Greedy rows (group 1), then three beams a
     # sentence with reordered histories and a sentence gone: the same scores, bit for bit.
     from minitransformer.nn.layers import DecoderLayer
     cfg = TransformerConfig(vocab_size=30, d_model=16, n_heads=2, d_ff=32, n_layers=2,
-                            dropout=0.0, norm=norm)
+                            dropout=0.0, norm=norm, positions=positions)
     m = Transformer(cfg, seed=4, dtype=dtype)
     m.eval()
     src = _src()

@@ -169,6 +169,16 @@ class Transformer(Module):
             x = ops.cast(x, self.compute_dtype)
         return self.emb_drop(x)
 
+    def _embed_step(self, ids, offset):
+        """embed on raw arrays for one position, ``offset``, of each row: ids (R,) -> (R, D),
+        the same arithmetic in evaluation mode (a decoding step: ``_step``)."""
+        if offset + 1 > self.cfg.max_positions:
+            self.embed(ids[:, None], "tgt", offset)  # (raises its error)
+        x = self._table("tgt").data[ids]
+        x *= x.dtype.type(math.sqrt(self.cfg.d_model))
+        x += (self.positions.data if self.cfg.positions == "learned" else self.pe)[offset]
+        return backend.cast(x, self.compute_dtype)
+
     def xp(self):
         return backend.get_xp(self.device)
 
@@ -322,9 +332,8 @@ class Transformer(Module):
     def _step(self, last, state):
         """The decoder output (R, D) for the newest tokens ``last`` (R, 1) of the R rows of
         ``state``, through each decoder layer's ``step`` (nn/layers.py); the state advances
-        by one position. The embedding runs through forward (one op a step, not a layer)."""
-        x = self.embed(self.ids(last), "tgt", state.offset).data
-        x = x.reshape(x.shape[0], x.shape[2])
+        by one position."""
+        x = self._embed_step(self.ids(last)[:, 0], state.offset)
         for layer, cache in zip(self.decoder, state.layers):
             x = layer.step(x, cache, state.src_bias)
         if self.cfg.norm == "pre":
