@@ -486,3 +486,17 @@ def test_largest_selects_the_m_largest_of_each_row_with_ties_and_nan(monkeypatch
     nan[2, 0] = np.nan  # (sorted last, as the largest)
     got = search.largest(np, nan, 5)
     assert len(calls) == 2 and sorted(got[0]) == sorted(np.argsort(-a[0])[:5])
+
+
+def test_searches_run_the_longest_sentences_first_and_answer_in_the_callers_order(model):
+    # a sentence that finishes at the end of the rows leaves nothing to move: the rows run
+    # longest first (stable), and the results come back in the order of src
+    from minitransformer.mt.search import beam_search, greedy_search, in_order, longest_first
+    assert longest_first(np.array([3, 7, 7, 1, 5])).tolist() == [1, 2, 4, 0, 3]
+    src = _src()
+    assert in_order(src, np.arange(3)) is src
+    np.testing.assert_array_equal(in_order(src, np.array([2, 0, 1])), src[[2, 0, 1]])
+    for search in (greedy_search, lambda m, s: beam_search(m, s, beam=3)):
+        both = search(model, src)
+        assert [search(model, src[i:i + 1])[0] for i in range(3)] == both
+        assert search(model, src[::-1]) == both[::-1]

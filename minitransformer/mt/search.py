@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..backend import get_array_module, to_numpy
 from ..engine import anomaly
 from ..engine import tensor as tensor_module
 from ..engine.tensor import no_grad
@@ -148,8 +148,8 @@ def _greedy(model, src, max_len_a):
         src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B = src.shape[0]
         limit = output_limits(model, src, max_len_a)
-        state = model.start_decoding(src, max_length=int(limit.max()))
-        alive = np.arange(B)  # original sentence of each row
+        alive = longest_first(limit)  # original sentence of each row
+        state = model.start_decoding(in_order(src, alive), max_length=int(limit.max()))
         out = np.zeros((B, int(limit.max())), dtype=np.int64)  # tokens of sentence b so far:
         n_out = np.zeros(B, dtype=np.int64)                    # out[b, :n_out[b]]
         last = xp.full((B, 1), model.cfg.bos_id, dtype=src.dtype)
@@ -199,8 +199,8 @@ def _beam(model, src, beam, alpha, max_len_a, length_penalty, return_all):
         # (a vocabulary of fewer than 2 * beam tokens: all beam rows from the start, so that
         # the first step still has 2 * beam candidates, most of them -inf)
         g = 1 if model.cfg.vocab_size >= 2 * k else k
-        state = model.start_decoding(src, beams=g, max_length=int(limit.max()))
-        alive = np.arange(B)  # original sentence of each active block of rows
+        alive = longest_first(limit)  # original sentence of each active block of rows
+        state = model.start_decoding(in_order(src, alive), beams=g, max_length=int(limit.max()))
         tokens, scores = np.zeros((B, g, 0), dtype=np.int64), np.full((B, g), -np.inf)
         scores[:, 0] = 0.0  # one hypothesis: BOS
         slot = np.tile(np.arange(g), (B, 1))
@@ -399,6 +399,22 @@ def shared_out(model: Transformer, src: Any, search) -> list:
     for w, result in enumerate(results):
         out[w::n] = result
     return out
+
+
+def longest_first(limit):
+    """The order in which a search runs the sentences of a batch, from their maximum output
+    lengths ``limit`` (B,): longest first (stable). Sentences tend to finish in order of
+    their length, and one that finishes at the end of the rows leaves nothing to move
+    (``compacted``); in ascending order each would make a sentence from the end move into
+    its place, copying its cached keys and values."""
+    return np.argsort(-limit, kind="stable")
+
+
+def in_order(src, order):
+    """The rows of src (B, S) in ``order`` (host int array); src itself when unchanged."""
+    if (order == np.arange(len(order))).all():
+        return src
+    return src[get_array_module(src).asarray(order)]
 
 
 def compacted(keep):
