@@ -500,3 +500,22 @@ def test_searches_run_the_longest_sentences_first_and_answer_in_the_callers_orde
         both = search(model, src)
         assert [search(model, src[i:i + 1])[0] for i in range(3)] == both
         assert search(model, src[::-1]) == both[::-1]
+
+
+def test_log_softmax_at_the_picked_columns_is_the_log_softmax_there():
+    # the normaliser's exponentials are 2 ** ((z - max) log2 e): in float32 the picked
+    # log-probabilities stay within a few roundings of the float64 log-softmax, for logits
+    # spread as a trained model's are and with a -inf entry (a forbidden token)
+    from minitransformer.mt.search import log_softmax_at, top_m
+    rng = np.random.default_rng(16)
+    for scale in (1.0, 8.0, 40.0):
+        z = (rng.standard_normal((6, 8000)) * scale).astype(np.float32)
+        z[:, 0] = -np.inf
+        z64 = z.astype(np.float64)
+        want = z64 - z64.max(1, keepdims=True)
+        want -= np.log(np.exp(want).sum(1, keepdims=True))
+        cols = top_m(np, z, 8)
+        got = log_softmax_at(np, z.copy(), cols)
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, np.take_along_axis(want, cols, 1), rtol=2e-6,
+                                   atol=2e-6)
