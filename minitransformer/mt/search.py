@@ -1,20 +1,24 @@
 """Decoding (§6.1): greedy and batched beam search with cached keys and values.
 
 Both run the decoder incrementally through the model's own modules (nn/decoder_state.py says
-what is carried): at step t only the newest token is fed, under no_grad, so no tape is built.
+what is carried): at step t only the newest token is fed, under no_grad, so no tape is built;
+each decoder layer runs its ``step``, the same arithmetic as its forward on raw arrays,
+without Tensors or Function objects (Transformer.next_scores).
 Each decoder layer writes this step's self-attention keys/values into buffers allocated
 ahead (for the longest output, within 32 MiB, doubled if outgrown; one product with
 [W_q W_k W_v] gives q, k and v); the encoder-decoder
 keys/values are computed once per sentence, and a sentence's beams attend to them as one
-block of queries; the source mask is built once per batch. Sentences that finish leave the
-batch: the last ones move into their places (``compacted``), so the remaining ones run on
-smaller arrays and only the moved rows are copied. Beam search's first step runs one row a
-sentence (there is one hypothesis), the others ``beam``; a hypothesis stays in the row of
-the one it extends when it is the first to extend it (``_place_beams``), so few histories
-are copied. The search reads back only what it decides on: greedy, the argmax of each row;
-beam search, the 2 * beam best tokens of each beam, normalised to log-probabilities only
-there (``log_softmax_at``). That work over the whole vocabulary runs on chunks of rows that
-stay in cache, in as many threads as the BLAS has (``by_rows``), as the products do.
+block of queries; the source mask is built once per batch. The sentences run longest first
+(``longest_first``), and those that finish leave the batch: the last ones move into their
+places (``compacted``), so the remaining ones run on smaller arrays and only the moved rows
+are copied (few: sentences tend to finish in order of length). Beam search's first step
+runs one row a sentence (there is one hypothesis), the others ``beam``; a hypothesis stays
+in the row of the one it extends when it is the first to extend it (``_place_beams``), so
+few histories are copied. The search reads back only what it decides on: greedy, the
+argmax of each row; beam search, the 2 * beam best tokens of each beam, normalised to
+log-probabilities only there (``log_softmax_at``). That work over the whole vocabulary
+runs on chunks of rows that stay in cache, in as many threads as the BLAS has
+(``by_rows``), as the products do.
 On a CPU with several BLAS threads a batch's sentences are first shared out to as many
 threads, each searching its share with one BLAS thread (``shared_out``): NumPy runs a step's
 elementwise work on one core, and a step's products are too small to gain much from several
