@@ -155,9 +155,7 @@ class Transformer(Module):
     def embed(self, ids, side, offset=0):
         """Dropout(Embedding(ids) * sqrt(D) + PE[offset : offset + L]):  (B, L) -> (B, L, D)."""
         L = ids.shape[1]
-        if offset + L > self.cfg.max_positions:
-            raise ValueError(f"sequence of length {offset + L} exceeds max_positions "
-                             f"({self.cfg.max_positions}); raise --max-positions or shorten input")
+        self._check_positions(offset + L)
         x = ops.embedding(ids, self._table(side), pad_id=self.cfg.pad_id)
         x = x * math.sqrt(self.cfg.d_model)
         if self.cfg.positions == "learned":
@@ -169,11 +167,16 @@ class Transformer(Module):
             x = ops.cast(x, self.compute_dtype)
         return self.emb_drop(x)
 
+    def _check_positions(self, length):
+        """A sequence of ``length`` positions must fit the position table."""
+        if length > self.cfg.max_positions:
+            raise ValueError(f"sequence of length {length} exceeds max_positions "
+                             f"({self.cfg.max_positions}); raise --max-positions or shorten input")
+
     def _embed_step(self, ids, offset):
         """embed on raw arrays for one position, ``offset``, of each row: ids (R,) -> (R, D),
         the same arithmetic in evaluation mode (a decoding step: ``_step``)."""
-        if offset + 1 > self.cfg.max_positions:
-            self.embed(ids[:, None], "tgt", offset)  # (raises its error)
+        self._check_positions(offset + 1)
         x = self._table("tgt").data[ids]
         x *= x.dtype.type(math.sqrt(self.cfg.d_model))
         x += (self.positions.data if self.cfg.positions == "learned" else self.pe)[offset]
@@ -309,8 +312,7 @@ class Transformer(Module):
         advances by one position."""
         with no_grad():
             if last.shape[1] == 1 and self._steps(state):
-                h = self._step(last, state)
-                z = Tensor.wrap(backend.cast(ops.affine(h, state.out_weight), self.dtype))
+                z = self.logits(Tensor.wrap(self._step(last, state)), state.out_weight)
                 return (log_softmax(z) if log_probs else z).data
             h = self.decode(last, None, state.src_bias, cache=state.layers,
                             offset=state.offset)
