@@ -6,7 +6,8 @@ import minitransformer as mt
 from minitransformer.backend import to_numpy
 from minitransformer.engine.tensor import no_grad
 from minitransformer.mt import checkpoint as ckpt
-from minitransformer.mt.search import beam_search, greedy_search, top_m
+from minitransformer.mt.search import beam_search, greedy_search
+from minitransformer.mt.selection import top_m
 from minitransformer.nn.transformer import Transformer, TransformerConfig, preset, sinusoids
 
 V = 23

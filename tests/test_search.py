@@ -235,8 +235,9 @@ def test_beam_search_with_a_vocabulary_smaller_than_twice_the_beam():
 def test_candidate_rows_split_across_threads_give_the_same_numbers(monkeypatch):
     # by_rows runs the search's whole-vocabulary work (top_m, the normaliser) on chunks of
     # rows in threads: every row's tokens and log-probabilities equal one call's, bit for bit
-    from minitransformer.mt import search
-    from minitransformer.mt.search import by_rows, log_softmax_at, top_m
+    from minitransformer.mt import selection
+    from minitransformer.mt import threads as mt_threads
+    from minitransformer.mt.selection import by_rows, log_softmax_at, top_m
     z = np.random.default_rng(5).standard_normal((37, 1000)).astype(np.float32) * 4
 
     def select(rows):
@@ -244,14 +245,14 @@ def test_candidate_rows_split_across_threads_give_the_same_numbers(monkeypatch):
         return best, log_softmax_at(np, rows, best)
 
     want = select(z.copy())
-    monkeypatch.setattr(search, "MIN_BLOCK", 1)
+    monkeypatch.setattr(selection, "MIN_BLOCK", 1)
     for threads, chunk_bytes in ((1, 12_000), (2, 1 << 19), (3, 1), (5, 12_000)):
         # chunks of 3 rows (12,000 bytes of 4,000-byte rows), all 37 rows in one, or 1 row
-        monkeypatch.setattr(search, "cpu_threads", lambda n=threads: n)
-        monkeypatch.setattr(search, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(mt_threads, "cpu_threads", lambda n=threads: n)
+        monkeypatch.setattr(selection, "CHUNK_BYTES", chunk_bytes)
         got = by_rows(np, select, z.copy())
         if chunk_bytes == 1:
-            assert search._pool["size"] >= threads  # (the chunks went to the threads)
+            assert mt_threads.row_pool["size"] >= threads  # (the chunks went to the threads)
         order = np.argsort(got[0], axis=1), np.argsort(want[0], axis=1)
         np.testing.assert_array_equal(np.take_along_axis(got[0], order[0], 1),
                                       np.take_along_axis(want[0], order[1], 1))
@@ -260,23 +261,24 @@ def test_candidate_rows_split_across_threads_give_the_same_numbers(monkeypatch):
 
 
 def test_beam_search_with_candidates_in_threads_equals_one_thread(monkeypatch):
-    from minitransformer.mt import search
+    from minitransformer.mt import search, selection
+    from minitransformer.mt import threads as mt_threads
     cfg = TransformerConfig(vocab_size=300, d_model=16, n_heads=2, d_ff=32, n_layers=2,
                             dropout=0.0)
     m = Transformer(cfg, seed=4)
     src = np.random.default_rng(17).integers(4, 300, (9, 7))
     src[3, 5:] = 0
-    monkeypatch.setattr(search, "cpu_threads", lambda: 1)
+    monkeypatch.setattr(mt_threads, "cpu_threads", lambda: 1)
     one = search.beam_search(m, src, beam=4, max_len_a=6, return_all=True)
-    monkeypatch.setattr(search, "cpu_threads", lambda: 2)
-    monkeypatch.setattr(search, "MIN_BLOCK", 1)
-    monkeypatch.setattr(search, "CHUNK_BYTES", 3 * 300 * 4)  # chunks of 3 rows
+    monkeypatch.setattr(mt_threads, "cpu_threads", lambda: 2)
+    monkeypatch.setattr(selection, "MIN_BLOCK", 1)
+    monkeypatch.setattr(selection, "CHUNK_BYTES", 3 * 300 * 4)  # chunks of 3 rows
     assert search.beam_search(m, src, beam=4, max_len_a=6, return_all=True) == one
 
 
 def test_cpu_threads_follows_the_blas_thread_limit():
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    from minitransformer.mt.search import cpu_threads
+    from minitransformer.mt.threads import cpu_threads
     with threadpoolctl.threadpool_limits(1, user_api="blas"):
         assert cpu_threads() == 1
 
@@ -288,6 +290,7 @@ def test_a_search_shared_out_to_threads_equals_one_search(dtype):
     # BLAS thread: every sentence's output and score equal those of one search of the batch
     threadpoolctl = pytest.importorskip("threadpoolctl")
     from minitransformer.mt import search
+    from minitransformer.mt import threads as mt_threads
     cfg = TransformerConfig(vocab_size=300, d_model=32, n_heads=4, d_ff=64, n_layers=2,
                             dropout=0.0)
     m = Transformer(cfg, seed=6, dtype=dtype)
@@ -300,12 +303,12 @@ def test_a_search_shared_out_to_threads_equals_one_search(dtype):
     runs = {}
     for threads in (1, 3):
         with threadpoolctl.threadpool_limits(threads, user_api="blas"):
-            if search.cpu_threads() != threads:
+            if mt_threads.cpu_threads() != threads:
                 pytest.skip("the BLAS does not take a thread limit here")
             assert search.search_threads(m, len(src)) == threads  # 40 // 8 >= 3
             runs[threads] = (search.greedy_search(m, src, max_len_a=5),
                              search.beam_search(m, src, beam=3, max_len_a=5, return_all=True))
-    assert search._search_pool["size"] >= 3  # (the shares went to the threads)
+    assert mt_threads.search_pool["size"] >= 3  # (the shares went to the threads)
     assert runs[3][0] == runs[1][0]  # greedy: the same tokens
     # beam: the same hypotheses in the same order; their scores agree to rounding, as a
     # sentence's do between any two batches: the BLAS sums a product's rows in an order that
@@ -320,7 +323,8 @@ def test_a_search_shared_out_to_threads_equals_one_search(dtype):
 
 def test_no_threads_for_few_sentences_or_while_the_attention_store_is_on(model, monkeypatch):
     from minitransformer.mt import search
-    monkeypatch.setattr(search, "cpu_threads", lambda: 4)
+    from minitransformer.mt import threads as mt_threads
+    monkeypatch.setattr(mt_threads, "cpu_threads", lambda: 4)
     assert search.search_threads(model, 8 * 4) == 4
     assert search.search_threads(model, 8 * 2 + 7) == 2
     assert search.search_threads(model, 7) == 1
@@ -333,7 +337,7 @@ def test_no_threads_for_few_sentences_or_while_the_attention_store_is_on(model, 
 
 @pytest.mark.parametrize("V", [8000, 6000, 37000, 23, 1])
 def test_row_sums_are_accurate_and_each_row_its_own(V):
-    from minitransformer.mt.search import row_sums
+    from minitransformer.mt.selection import row_sums
     e = np.exp(np.random.default_rng(V).standard_normal((13, V)) * 3).astype(np.float32)
     got = row_sums(np, e)
     assert got.shape == (13, 1) and got.dtype == np.float32
@@ -350,12 +354,13 @@ def test_shared_out_pins_its_threads_one_per_core_when_the_process_has_the_cores
     # one thread per core: each thread on a CPU of its own, so that threads woken after an
     # idle spell do not share a core; on a machine with more cores than threads, no pinning
     from minitransformer.mt import search
+    from minitransformer.mt import threads as mt_threads
     cpus = sorted(os.sched_getaffinity(0))
     threads = len(cpus) if own_cores else len(cpus) - 1
     if threads < 2:
         pytest.skip("needs three CPUs to leave one over")
-    monkeypatch.setattr(search, "cpu_threads", lambda: threads)
-    monkeypatch.setattr(search, "_search_pool", {"pid": None, "executor": None, "size": 0})
+    monkeypatch.setattr(mt_threads, "cpu_threads", lambda: threads)
+    monkeypatch.setattr(mt_threads, "search_pool", {"pid": None, "executor": None, "size": 0})
     seen = {}
     barrier = threading.Barrier(threads, timeout=10)
 
@@ -366,7 +371,7 @@ def test_shared_out_pins_its_threads_one_per_core_when_the_process_has_the_cores
 
     src = np.full((8 * threads, 3), 5)
     assert search.shared_out(model, src, record) == [0] * len(src)
-    search._search_pool["executor"].shutdown()
+    mt_threads.search_pool["executor"].shutdown()
     assert len(seen) == threads
     if own_cores:
         assert sorted(c for got in seen.values() for c in got) == cpus  # one CPU each
@@ -376,10 +381,11 @@ def test_shared_out_pins_its_threads_one_per_core_when_the_process_has_the_cores
 
 
 def test_by_rows_gives_every_thread_a_chunk_however_large_the_chunks(monkeypatch):
-    from minitransformer.mt import search
-    monkeypatch.setattr(search, "cpu_threads", lambda: 2)
-    monkeypatch.setattr(search, "MIN_BLOCK", 1)
-    monkeypatch.setattr(search, "CHUNK_BYTES", 1 << 30)  # one chunk would hold every row
+    from minitransformer.mt import selection
+    from minitransformer.mt import threads as mt_threads
+    monkeypatch.setattr(mt_threads, "cpu_threads", lambda: 2)
+    monkeypatch.setattr(selection, "MIN_BLOCK", 1)
+    monkeypatch.setattr(selection, "CHUNK_BYTES", 1 << 30)  # one chunk would hold every row
     z = np.arange(7 * 5, dtype=np.float32).reshape(7, 5)
     calls = []
 
@@ -387,12 +393,12 @@ def test_by_rows_gives_every_thread_a_chunk_however_large_the_chunks(monkeypatch
         calls.append((threading.get_ident(), len(rows)))
         return (rows.sum(axis=1),)
 
-    got = search.by_rows(np, fn, z)
+    got = selection.by_rows(np, fn, z)
     np.testing.assert_array_equal(got[0], z.sum(axis=1))
     assert sorted(n for _, n in calls) == [3, 4]  # two chunks, one a thread
-    monkeypatch.setattr(search, "cpu_threads", lambda: 1)
+    monkeypatch.setattr(mt_threads, "cpu_threads", lambda: 1)
     calls.clear()
-    search.by_rows(np, fn, z)
+    selection.by_rows(np, fn, z)
     assert [n for _, n in calls] == [7]  # one thread: one chunk
 
 
@@ -464,13 +470,13 @@ def test_a_profiled_or_recorded_decode_goes_through_forward(model):
 def test_largest_selects_the_m_largest_of_each_row_with_ties_and_nan(monkeypatch):
     # sorted values give each row's m-th largest; rows tied there or holding NaN make the
     # count differ from m, and argpartition selects instead (counted here)
-    from minitransformer.mt import search
+    from minitransformer.mt import selection
     rng = np.random.default_rng(15)
     a = rng.standard_normal((9, 40)).astype(np.float32)
     calls = []
     real = np.argpartition
     monkeypatch.setattr(np, "argpartition", lambda *x, **k: calls.append(1) or real(*x, **k))
-    got = search.largest(np, a, 5)
+    got = selection.largest(np, a, 5)
     assert not calls  # distinct values: the sorted path
     for row, want in zip(got, np.argsort(-a, axis=1)[:, :5]):
         assert sorted(row) == sorted(want)
@@ -478,13 +484,13 @@ def test_largest_selects_the_m_largest_of_each_row_with_ties_and_nan(monkeypatch
     tied[4, [3, 7]] = tied[4].max() + 1  # two equal at the top: not a tie at the 5th
     tied[6, :] = 0.0  # all tied: any 5 are right
     tied[6, [1, 2, 3]] = [3.0, 2.0, 1.0]
-    got = search.largest(np, tied, 5)
+    got = selection.largest(np, tied, 5)
     assert len(calls) == 1  # row 6 ties at its 5th largest
     assert {3, 7} <= set(got[4]) and {1, 2, 3} <= set(got[6])
     assert all(len(set(row)) == 5 for row in got.tolist())
     nan = a.copy()
     nan[2, 0] = np.nan  # (sorted last, as the largest)
-    got = search.largest(np, nan, 5)
+    got = selection.largest(np, nan, 5)
     assert len(calls) == 2 and sorted(got[0]) == sorted(np.argsort(-a[0])[:5])
 
 
@@ -506,7 +512,7 @@ def test_log_softmax_at_the_picked_columns_is_the_log_softmax_there():
     # the normaliser's exponentials are 2 ** ((z - max) log2 e): in float32 the picked
     # log-probabilities stay within a few roundings of the float64 log-softmax, for logits
     # spread as a trained model's are and with a -inf entry (a forbidden token)
-    from minitransformer.mt.search import log_softmax_at, top_m
+    from minitransformer.mt.selection import log_softmax_at, top_m
     rng = np.random.default_rng(16)
     for scale in (1.0, 8.0, 40.0):
         z = (rng.standard_normal((6, 8000)) * scale).astype(np.float32)
