@@ -36,10 +36,10 @@ def executor(pool, threads, pin=False):
         if pool["pid"] == os.getpid():
             pool["executor"].shutdown(wait=False)
         cpus = pinned_cpus(threads) if pin else None
-        executor = (ThreadPoolExecutor(threads) if cpus is None else
-                    ThreadPoolExecutor(threads, initializer=_pin_thread,
-                                       initargs=(cpus, itertools.count())))
-        pool.update(pid=os.getpid(), executor=executor, size=threads)
+        made = (ThreadPoolExecutor(threads) if cpus is None else
+                ThreadPoolExecutor(threads, initializer=_pin_thread,
+                                   initargs=(cpus, itertools.count())))
+        pool.update(pid=os.getpid(), executor=made, size=threads)
     return pool["executor"]
 
 
