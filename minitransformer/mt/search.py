@@ -99,6 +99,7 @@ def _greedy(model, src, max_len_a):
         while len(alive):
             logits = _forbid(model.next_scores(last, state), model.cfg)  # (B*, V)
             nxt = to_numpy(logits.argmax(axis=-1))
+            del logits  # freed before the next step makes its own: one block of scores in cache
             grows = nxt != eos  # every live row holds t tokens before this step
             out[alive[grows], t] = nxt[grows]
             n_out[alive[grows]] = t + 1
@@ -152,6 +153,7 @@ def _beam(model, src, beam, alpha, max_len_a, length_penalty, return_all):
         while len(alive):
             logits = model.next_scores(last, state)  # (rows, V), overwritten below
             top_scores, prev, tok = _best_candidates(xp, logits, scores, slot, k, model.cfg)
+            del logits  # (as in _greedy: one block of scores in cache, not two)
             t += 1
             lp = _length_penalty(t - 1, alpha, length_penalty, ends=True)
             _finish_ending(finished, n_finished, alive, top_scores, prev, tok, tokens, eos, lp,
