@@ -2,13 +2,14 @@
 the pools that mt/search.py's ``shared_out`` (one search a thread) and mt/selection.py's
 ``by_rows`` (chunks of rows a thread) hand their work to, each created once per process.
 """
+import functools
 import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-# by_rows' pool (and the BLAS controller), shared_out's pool: two, so that work in one never
-# waits for threads busy in the other
-row_pool = {"pid": None, "executor": None, "size": 0, "blas": None}
+# by_rows' pool and shared_out's pool: two, so that work in one never waits for threads busy
+# in the other
+row_pool = {"pid": None, "executor": None, "size": 0}
 search_pool = {"pid": None, "executor": None, "size": 0}
 
 
@@ -18,13 +19,12 @@ def cpu_threads():
     return max([1] + [lib.num_threads for lib in blas().lib_controllers])
 
 
+@functools.cache
 def blas():
     """threadpoolctl's controller of NumPy's BLAS (made once: finding it scans the loaded
     libraries)."""
-    if row_pool["blas"] is None:
-        import threadpoolctl
-        row_pool["blas"] = threadpoolctl.ThreadpoolController().select(user_api="blas")
-    return row_pool["blas"]
+    import threadpoolctl
+    return threadpoolctl.ThreadpoolController().select(user_api="blas")
 
 
 def executor(pool, threads, pin=False):
