@@ -401,7 +401,7 @@ class TorchRunner(Runner):
 
 
 class _Pieces:
-    """What export.model_spec reads of a tokenizer, for the bench's made-up vocabulary."""
+    """What ct2_spec.model_spec reads of a tokenizer, for the bench's made-up vocabulary."""
 
     def __init__(self, vocab):
         self.vocab, self.vocab_size, self.unk_id = vocab, len(vocab), 1
@@ -422,7 +422,7 @@ class CT2Runner(Runner):
     def build(self):
         import ctranslate2
         import minitransformer.nn.transformer as tr
-        from minitransformer.export import model_spec
+        from minitransformer.ct2_spec import model_spec
         self.sync, self.ct2 = (lambda: None), ctranslate2
         model = tr.Transformer(tr.TransformerConfig.from_dict(self.cfg))
         model.load_state_dict(np.load(self.args.init))

@@ -16,7 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from minitransformer import export
+from minitransformer import ct2_spec, export
 from minitransformer.engine.tensor import no_grad
 from minitransformer.mt import checkpoint as ckpt
 from minitransformer.mt.search import beam_search
@@ -273,8 +273,8 @@ def test_unsupported_config_is_refused(trained, tmp_path, changes, field):
 ])
 def test_what_cannot_be_exported_is_named(changes, words):
     config = dict(vars(TransformerConfig(vocab_size=100)), **changes)
-    assert words in export.unsupported(config)
-    assert export.unsupported(vars(TransformerConfig(vocab_size=100, norm="pre"))) is None
+    assert words in ct2_spec.unsupported(config)
+    assert ct2_spec.unsupported(vars(TransformerConfig(vocab_size=100, norm="pre"))) is None
 
 
 def _tree(path):
