@@ -232,6 +232,54 @@ def test_beam_search_with_a_vocabulary_smaller_than_twice_the_beam():
     assert beam_search(m, src, beam=1, max_len_a=3) == greedy_search(m, src, max_len_a=3)
 
 
+@pytest.mark.parametrize("vocab,beam", [(7, 5), (8, 4), (9, 4)])
+def test_beam_search_never_gives_padding_or_bos_however_small_the_vocabulary(vocab, beam):
+    # fewer allowed tokens (vocab - 2) than the 2 * beam best a beam looks at: padding and
+    # BOS are among them, at -inf, and no hypothesis may ever continue with one
+    from minitransformer.mt.search import beam_search
+    cfg = TransformerConfig(vocab_size=vocab, d_model=16, n_heads=2, d_ff=32, n_layers=1,
+                            dropout=0.0)
+    for seed in range(6):
+        m = Transformer(cfg, seed=seed, dtype=np.float64)
+        src = np.random.default_rng(seed).integers(4, vocab, (4, 5))
+        src[:, -1] = cfg.eos_id
+        out = beam_search(m, src, beam=beam, max_len_a=3, return_all=True)
+        hyps = [(score, h) for sentence in out for score, h in sentence]
+        assert all(sentence for sentence in out)
+        bad = [(score, h) for score, h in hyps if cfg.pad_id in h or cfg.bos_id in h]
+        assert not bad, f"seed {seed}: hypotheses with padding or BOS: {bad[:3]}"
+        assert all(np.isfinite(score) for score, _ in hyps)
+
+
+def test_tokens_fed_back_do_not_take_the_sources_integer_type():
+    # ids in a uint8 source (a vocabulary of 300): the searches still feed each output token
+    # back as it is (605 stays 605, not 605 mod 256), so they give the int64 source's output
+    from minitransformer.mt.search import beam_search, greedy_search
+    cfg = TransformerConfig(vocab_size=300, d_model=16, n_heads=2, d_ff=32, n_layers=1,
+                            dropout=0.0)
+    m = Transformer(cfg, seed=4, dtype=np.float64)
+    src = np.random.default_rng(1).integers(4, 250, (4, 6))
+    src[:, -1] = cfg.eos_id
+    wide = greedy_search(m, src, max_len_a=4), beam_search(m, src, beam=3, max_len_a=4)
+    assert any(t > 255 for h in wide[0] + wide[1] for t in h)  # (else the test shows nothing)
+    narrow = src.astype(np.uint8)
+    assert greedy_search(m, narrow, max_len_a=4) == wide[0]
+    assert beam_search(m, narrow, beam=3, max_len_a=4) == wide[1]
+
+
+def test_searches_check_their_arguments(model):
+    from minitransformer.mt.search import beam_search, greedy_search
+    for search in (greedy_search, beam_search):
+        assert search(model, np.zeros((0, 5), np.int64)) == []
+        assert search(model, []) == []
+        with pytest.raises(ValueError, match=r"at least its EOS; got shape \(3, 0\)"):
+            search(model, np.zeros((3, 0), np.int64))
+    with pytest.raises(ValueError, match="beam must be at least 1, got 0"):
+        beam_search(model, _src(), beam=0)
+    with pytest.raises(ValueError, match="length_penalty must be one of .*'gmnt'"):
+        beam_search(model, _src(), length_penalty="gmnt")
+
+
 def test_candidate_rows_split_across_threads_give_the_same_numbers(monkeypatch):
     # by_rows runs the search's whole-vocabulary work (top_m, the normaliser) on chunks of
     # rows in threads: every row's tokens and log-probabilities equal one call's, bit for bit
@@ -286,8 +334,9 @@ def test_cpu_threads_follows_the_blas_thread_limit():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_search_shared_out_to_threads_equals_one_search(dtype):
     # shared_out deals a batch's sentences out to as many threads as the BLAS has (sentence i
-    # to thread i % n), each searching its share, trimmed to its longest source, with one
-    # BLAS thread: every sentence's output and score equal those of one search of the batch
+    # to thread i % n), each searching its share, less its columns of padding at the end, with
+    # one BLAS thread: every sentence's output and score equal those of one search of the
+    # batch, whatever the padding's place (two rows here have theirs before their tokens)
     threadpoolctl = pytest.importorskip("threadpoolctl")
     from minitransformer.mt import search
     from minitransformer.mt import threads as mt_threads
@@ -300,6 +349,8 @@ def test_a_search_shared_out_to_threads_equals_one_search(dtype):
     for i, n in enumerate(lengths):
         src[i, :n] = rng.integers(4, 300, n)
         src[i, n - 1] = cfg.eos_id
+    for i in (0, 4):  # short rows padded on the left: their EOS in the last column
+        src[i] = np.roll(src[i], 12 - lengths[i])
     runs = {}
     for threads in (1, 3):
         with threadpoolctl.threadpool_limits(threads, user_api="blas"):

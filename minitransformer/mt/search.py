@@ -51,6 +51,9 @@ from . import threads
 from .selection import along_rows, by_rows, log_softmax_at, top_m
 
 
+LENGTH_PENALTIES = ("gnmt", "power")
+
+
 def _length_penalty(length, alpha, kind, ends=False):
     """lp(Y) of a hypothesis of ``length`` tokens (EOS not counted) that ``ends`` in EOS or
     was cut at the maximum length: gnmt ((5 + |Y|) / 6) ** alpha, power (|Y| + 1) ** alpha
@@ -76,9 +79,23 @@ def output_limits(model: Transformer, src: Any, max_len_a: int) -> np.ndarray:
     return np.clip(lengths, 1, max(1, model.cfg.max_positions - 1))
 
 
+def _source(model, src):
+    """src as the model's id array (Transformer.ids), which must be (B, S) with S >= 1."""
+    src = model.ids(src)
+    if src.ndim == 1 and not len(src):  # no sentences
+        src = src.reshape(0, 1)
+    if src.ndim != 2 or (src.shape[0] and not src.shape[1]):
+        raise ValueError(f"src must hold token ids (B, S), each row with at least its EOS; "
+                         f"got shape {tuple(src.shape)}")
+    return src
+
+
 def greedy_search(model: Transformer, src: Any, max_len_a: int = 50) -> list[list[int]]:
     """src ids (B, S) -> list of B token-id lists (EOS and padding stripped). On a CPU with
     several BLAS threads the sentences are shared out to threads (``shared_out``)."""
+    src = _source(model, src)
+    if not len(src):
+        return []
     return shared_out(model, src, lambda part: _greedy(model, part, max_len_a))
 
 
@@ -94,7 +111,7 @@ def _greedy(model, src, max_len_a):
         state = model.start_decoding(in_order(src, alive), max_length=int(limit.max()))
         out = np.zeros((B, int(limit.max())), dtype=np.int64)  # tokens of sentence b so far:
         n_out = np.zeros(B, dtype=np.int64)                    # out[b, :n_out[b]]
-        last = xp.full((B, 1), model.cfg.bos_id, dtype=src.dtype)
+        last = xp.full((B, 1), model.cfg.bos_id, dtype=np.int64)  # (int64: any id fits)
         t = 0
         while len(alive):
             logits = _forbid(model.next_scores(last, state), model.cfg)  # (B*, V)
@@ -109,7 +126,7 @@ def _greedy(model, src, max_len_a):
                 keep = compacted(going)
                 state.keep_sentences(keep)
                 alive, nxt = alive[keep], nxt[keep]
-            last = xp.asarray(nxt[:, None]).astype(src.dtype)
+            last = xp.asarray(nxt[:, None])
         return [out[b, :n_out[b]].tolist() for b in range(B)]
 
 
@@ -122,7 +139,15 @@ def beam_search(model: Transformer, src: Any, beam: int = 4, alpha: float = 0.6,
     hypotheses, best first. On a CPU with several BLAS threads the sentences are shared out
     to threads (``shared_out``).
     """
-    return shared_out(model, src, lambda part: _beam(model, part, beam, alpha, max_len_a,
+    if int(beam) < 1:
+        raise ValueError(f"beam must be at least 1, got {beam}")
+    if length_penalty not in LENGTH_PENALTIES:
+        raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got "
+                         f"{length_penalty!r}")
+    src = _source(model, src)
+    if not len(src):
+        return []
+    return shared_out(model, src, lambda part: _beam(model, part, int(beam), alpha, max_len_a,
                                                      length_penalty, return_all))
 
 
@@ -148,7 +173,7 @@ def _beam(model, src, beam, alpha, max_len_a, length_penalty, return_all):
         scores[:, 0] = 0.0  # one hypothesis: BOS
         slot = np.tile(np.arange(g), (B, 1))
         finished, n_finished = [[] for _ in range(B)], np.zeros(B, dtype=np.int64)
-        last = xp.full((B * g, 1), model.cfg.bos_id, dtype=src.dtype)
+        last = xp.full((B * g, 1), model.cfg.bos_id, dtype=np.int64)
         t = 0
         while len(alive):
             logits = model.next_scores(last, state)  # (rows, V), overwritten below
@@ -172,7 +197,7 @@ def _beam(model, src, beam, alpha, max_len_a, length_penalty, return_all):
             alive, tokens, scores = alive[kb], tokens[kb], scores[kb]
             fed = np.empty_like(slot)
             np.put_along_axis(fed, slot, tokens[:, :, -1], 1)  # row i*k + slot[i, j]: beam j
-            last = xp.asarray(fed.reshape(-1, 1)).astype(src.dtype)
+            last = xp.asarray(fed.reshape(-1, 1))
         return _best_first(finished, return_all)
 
 
@@ -197,8 +222,8 @@ def shared_out(model: Transformer, src: Any, search) -> list:
     """search(src) -> its list of per-sentence results, with the sentences of src (B, S)
     shared out to ``search_threads`` threads: sentence i goes to thread i % n (a batch is
     sorted by length, so each thread gets as much work), each thread runs ``search`` on its
-    share, trimmed to its longest source, with one BLAS thread, and the results are put back
-    in order. NumPy and the BLAS release the GIL while they work, so a step's elementwise
+    share, less the columns of padding at its end, with one BLAS thread, and the results are
+    put back in order. NumPy and the BLAS release the GIL while they work, so a step's elementwise
     work, which NumPy runs on one core, and its products, too small to gain much from
     several BLAS threads, run on every core at once. A sentence's result does not depend on
     the others in its batch (padding adds exact zeros, a product's rows are independent), so
@@ -211,7 +236,8 @@ def shared_out(model: Transformer, src: Any, search) -> list:
     parts = []
     for w in range(n):
         part = src[w::n]
-        parts.append(part[:, :max(1, int((part != pad).sum(axis=1).max()))])
+        used = np.nonzero((part != pad).any(axis=0))[0]  # columns with a token (any padding)
+        parts.append(part[:, :int(used[-1]) + 1 if len(used) else 1])
     with threads.blas().limit(limits=1):
         results = list(threads.executor(threads.search_pool, n, pin=True).map(search, parts))
     out = [None] * len(src)
@@ -288,7 +314,10 @@ def _best_candidates(xp, logits, scores, slot, k, cfg):
         best, zmax = top_m(xp, _forbid(z, cfg), m, with_max=True)  # (r, m), any order
         z[:, [cfg.pad_id, cfg.bos_id]] = forbidden  # they still count in the normaliser
         zmax = xp.maximum(zmax, forbidden.max(axis=1, keepdims=True))
-        return best, log_softmax_at(xp, z, best, zmax)
+        lp = log_softmax_at(xp, z, best, zmax)
+        if m > V - 2:  # fewer allowed tokens than m: padding or BOS is among the m, at -inf
+            lp = xp.where((best == cfg.pad_id) | (best == cfg.bos_id), lp.dtype.type(-np.inf), lp)
+        return best, lp
 
     best, best_lp = by_rows(xp, select, logits)
     best_lp = to_numpy(best_lp).astype(np.float64)
