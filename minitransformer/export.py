@@ -194,18 +194,33 @@ def _check_run(run_dir, checkpoints, average_last):
 
 def _check_output(output, run_dir, force):
     """Refuse an --output that is a file, would replace the run, or is a non-empty directory
-    (without --force, or with --force when it is not a CTranslate2 model directory)."""
+    (without --force, or with --force when it is not a CTranslate2 model directory), and
+    one that cannot be replaced by a rename: the current directory, a mount point."""
+    if not output:
+        raise ExportError("--output is empty; give the directory to write the CTranslate2 "
+                          "model to")
     real = os.path.realpath(output)
     if os.path.realpath(run_dir) == real or \
             os.path.realpath(run_dir).startswith(real.rstrip(os.sep) + os.sep):
         raise ExportError(f"--output {output} is the run directory or contains it; give a "
                           "new directory for the CTranslate2 model")
+    cwd = os.path.realpath(os.getcwd())
+    if real == cwd or cwd.startswith(real.rstrip(os.sep) + os.sep):
+        raise ExportError(f"--output {output} is the current directory or contains it; the "
+                          "export puts a new directory in its place: give a new directory")
     _check_writable(output)
     if not os.path.lexists(output):
         return
-    if not os.path.isdir(output) or os.path.islink(output):
+    if os.path.islink(output):
+        raise ExportError(f"--output {output} is a symbolic link; the export puts a new "
+                          "directory in its place, not in the one it points to: give the "
+                          "directory's own path, or a new directory")
+    if not os.path.isdir(output):
         raise ExportError(f"--output {output} exists and is not a directory; give a new "
                           "directory for the CTranslate2 model")
+    if os.path.ismount(output):
+        raise ExportError(f"--output {output} is a mount point, which the export cannot put "
+                          "a new directory in place of: give a new directory inside it")
     if os.listdir(output) and not force:
         raise ExportError(f"--output {output} exists and is not empty; give a new directory, "
                           "or --force to replace it")
@@ -220,6 +235,10 @@ def _check_writable(output):
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        if os.path.lexists(output):  # (replaced by a rename, not written into)
+            raise ExportError(f"--output {output}: the export writes the model beside it, in "
+                              f"{parent}, and renames it into place, so {parent} must be "
+                              "writable; choose a path in a directory you can write to")
         raise ExportError(f"--output {output}: cannot create it ({parent} is not a writable "
                           "directory); choose a path you can write to")
 

@@ -311,9 +311,39 @@ def test_existing_output_needs_force_and_the_run_is_untouched(trained, tmp_path,
     assert _tree(run) == before
 
 
-def test_average_last_exports_the_average(trained, tmp_path):
+def test_output_paths_a_model_cannot_replace_are_refused_before_any_work(
+        trained, tmp_path, monkeypatch, capsys):
+    # the export renames a new directory into --output's place: an empty flag, the current
+    # directory (or one above it) and a symbolic link are refused with one line, exit 2,
+    # before the conversion, and what is there stays as it was
+    run, _, model_dir = trained
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    link = tmp_path / "link"
+    link.symlink_to(model_dir)
+    before = _tree(model_dir)
+    for output, words in (("", "--output is empty"), (".", "is the current directory"),
+                          (str(tmp_path), "is the current directory or contains it"),
+                          (str(link), "is a symbolic link")):
+        assert export.main(["ctranslate2", "--run-dir", run, "--output", output,
+                            "--force"]) == 2, output
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and len(err.splitlines()) == 1, err
+    assert os.listdir(here) == [] and sorted(os.listdir(tmp_path)) == ["here", "link"]
+    assert _tree(model_dir) == before
+
+
+def test_average_last_exports_the_average(trained, tmp_path, capsys):
     run, _, _ = trained
     out = export.export_ctranslate2(run, tmp_path / "avg", average_last=3)
+    assert "warning" not in capsys.readouterr().err
+    # more than the run has (3 periodic checkpoints): those 3, and a warning that says so
+    more = export.export_ctranslate2(run, tmp_path / "avg5", average_last=5)
+    err = capsys.readouterr().err
+    assert "warning: --average-last 5" in err and "has 3 periodic checkpoint(s)" in err, err
+    with open(os.path.join(more, export.INFO_FILE), encoding="utf-8") as f:
+        assert json.load(f)["checkpoint"] == "average of 3 checkpoints"
     averaged, tok, what = load_model(run, average_last=3)
     last, _, _ = load_model(run)
     assert what == "average of 3 checkpoints"

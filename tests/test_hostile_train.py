@@ -297,6 +297,9 @@ def test_os_errors_are_one_line_with_the_path_and_what_to_do():
     from minitransformer.mt.fileio import describe_os_error
     text = describe_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/x/ckpt.npz"))
     assert text.startswith("/x/ckpt.npz: No space left on device; the disk is full")
+    # a hint that begins with what happened does not say it twice
+    text = describe_os_error(OSError(errno.EACCES, "Permission denied", "/x/model"))
+    assert text == "/x/model: Permission denied: fix the permissions or choose another path"
 
 
 def test_ctrl_c_while_training_sentencepiece(tmp_path):

@@ -41,6 +41,7 @@ def env(tmp_path_factory):
 
     put("in.txt", "".join(s + "\n" for s in lines).encode())
     put("ref.txt", "".join(s + "\n" for s in corpus["valid"][1][:3]).encode())
+    put("empty.txt", b"")
     put("ref_short.txt", "".join(s + "\n" for s in corpus["valid"][1][:2]).encode())
     put("latin1.txt", lines[0].encode() + b"\nd\xe9j\xe0 vu\n")  # line 2 is not UTF-8
     put("many.txt", "".join(s + "\n" for s in lines * 300).encode())
@@ -109,6 +110,8 @@ CASES = [
      ["--reference", "{missing}"]),
     ("reference-not-utf8", ["--input", "{in.txt}", "--reference", "{latin1.txt}"], 2,
      ["--reference", "line 2"]),
+    ("input-empty-with-reference", ["--input", "{empty.txt}", "--reference", "{ref.txt}"], 2,
+     ["--reference", "{empty.txt}", "has no lines", "nothing to score"]),
     ("reference-line-count", ["--input", "{in.txt}", "--reference", "{ref_short.txt}"], 2,
      ["--reference", "2 lines", "has 3"]),
     ("run-dir-missing", ["--run-dir", "{missing}"], 2, ["--run-dir", "{missing}", "no such"]),
@@ -297,6 +300,31 @@ def test_valid_run_still_translates_and_leaves_the_run_alone(env, tmp_path):
     assert proc.returncode == 0 and "BLEU = " in err, err
     assert len(proc.stdout.decode().split("\n")[:-1]) == 3
     assert tree_hashes(env["run"]) == before
+
+
+def test_input_and_reference_from_pipes(env, tmp_path):
+    # /dev/stdin fed by a pipe, and a named pipe (what a shell's <(...) gives) as the
+    # reference: read as the files they stand for
+    import threading
+    args = ["--run-dir", env["run"], "--max-len-a", "2"]
+    files = translate(args + ["--input", env["in.txt"], "--reference", env["ref.txt"]])
+    fifo = tmp_path / "ref.fifo"
+    os.mkfifo(fifo)
+
+    def feed():
+        with open(fifo, "wb") as f:
+            f.write(open(env["ref.txt"], "rb").read())
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    pipes = translate(args + ["--input", "/dev/stdin", "--reference", str(fifo)],
+                      stdin=open(env["in.txt"], "rb").read())
+    writer.join(timeout=10)
+    assert pipes.returncode == 0, pipes.stderr.decode()
+    assert pipes.stdout == files.stdout
+    bleu = [line for line in pipes.stderr.decode().splitlines() if line.startswith("BLEU")]
+    assert bleu and bleu == [line for line in files.stderr.decode().splitlines()
+                             if line.startswith("BLEU")]
 
 
 # In-process stand-ins for what permissions do to a user who is not root (tests run as root

@@ -9,6 +9,7 @@ Shape letters: B sentences in a batch, S source length (EOS included), T target 
 EOS included).
 """
 import os
+import stat
 import sys
 
 import numpy as np
@@ -58,11 +59,12 @@ def _read_stdin():
 
 
 def _read_file(path):
-    """The bytes of the regular file ``path``; DataError naming it when it cannot be read."""
+    """The bytes of the regular file or pipe ``path`` (a shell's ``<(...)`` or /dev/stdin
+    piped); DataError naming it when it cannot be read."""
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file; check the path")
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: not a regular file; give the path of a text file")
+    if not (os.path.isfile(path) or stat.S_ISFIFO(os.stat(path).st_mode)):
+        raise DataError(f"{path}: not a regular file or a pipe; give the path of a text file")
     try:
         with open(path, "rb") as f:
             return f.read()

@@ -49,4 +49,6 @@ def describe_os_error(exc):
         where = f"{where} -> {exc.filename2}"
     hint = _OS_HINTS.get(exc.errno)
     what = exc.strerror or str(exc)
-    return f"{where}: {what}" + (f"; {hint}" if hint and hint != what.lower() else "")
+    if hint and hint.startswith(what.lower()):  # (the hint repeats what happened)
+        return f"{where}: {what}{hint[len(what):]}"
+    return f"{where}: {what}" + (f"; {hint}" if hint else "")

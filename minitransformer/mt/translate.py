@@ -159,9 +159,13 @@ def _check_one_run_dir(path, flag, args):
         raise UsageError(f"{flag} {path}: no spm.model; is it a training run directory? "
                          "(train.py writes spm.model there before the first update)")
     if args.average_last:
-        if not rd.periodic_checkpoints():
+        found = len(rd.periodic_checkpoints())
+        if not found:
             raise UsageError(f"--average-last {args.average_last}: no checkpoint_<update>.npz "
                              f"in {path}; train with --save-every, or leave out --average-last")
+        if found < args.average_last:
+            say(f"warning: --average-last {args.average_last}: {path} has {found} periodic "
+                f"checkpoint(s) (checkpoint_<update>.npz); averaging those {found}")
     elif args.checkpoint and flag == "--run-dir":
         for c in args.checkpoint:
             if not os.path.exists(c):
@@ -321,6 +325,9 @@ def _check_and_read(args, device):
         if refs is None:
             raise UsageError("--record appends the BLEU score to the run's metrics.jsonl: "
                              "give the --reference to score against")
+    if refs is not None and not lines:
+        raise UsageError(f"--reference: the input {_input_name(args)} has no lines, so there is "
+                         "nothing to score; give a non-empty input, or leave out --reference")
     if refs is not None and len(refs) != len(lines):
         raise UsageError(f"--reference {args.reference} has {len(refs)} lines, the input "
                          f"{_input_name(args)} has {len(lines)}; "
