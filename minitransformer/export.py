@@ -301,7 +301,9 @@ def _save(spec, quantization, spm_model, info, directory):
 
 def _write_atomically(output, fill):
     """Call ``fill(tmp)`` on a new directory beside ``output``, flush its files to disk, then
-    rename it to ``output`` (an existing one is moved aside first and removed after)."""
+    rename it to ``output`` (an existing one is moved aside first and removed after). On a
+    failure the existing model is put back; should that fail too, it is kept where it was
+    moved, and the error says where."""
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     name = os.path.basename(os.path.abspath(output))
@@ -315,10 +317,16 @@ def _write_atomically(output, fill):
             old = tempfile.mkdtemp(prefix=".old-", suffix="-" + name, dir=parent)
             os.rename(output, os.path.join(old, name))
         os.replace(tmp, output)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not os.path.exists(output):  # put the old model back
-            os.rename(os.path.join(old, name), output)
+        moved = None if old is None else os.path.join(old, name)
+        if moved is not None and os.path.exists(moved) and not os.path.exists(output):
+            try:  # put the old model back
+                os.rename(moved, output)
+            except OSError as again:
+                old = None  # (kept: not removed below)
+                raise OSError(again.errno, f"{again.strerror}; the previous model at "
+                              f"{output} is kept in {moved}", moved) from exc
         raise
     finally:
         if old is not None:

@@ -334,6 +334,31 @@ def test_output_paths_a_model_cannot_replace_are_refused_before_any_work(
     assert _tree(model_dir) == before
 
 
+def test_a_failed_replace_keeps_the_previous_model(trained, tmp_path, monkeypatch, capsys):
+    # --force over a model: if the new one cannot be renamed into place and the old one
+    # cannot be put back either, the old one stays where it was moved, and the error says
+    # where (before, that copy was removed with the temporaries)
+    run, _, _ = trained
+    out = tmp_path / "model"
+    assert export.main(["ctranslate2", "--run-dir", run, "--output", str(out)]) == 0
+    before = _tree(out)
+
+    def fail(src, dst):
+        raise PermissionError(13, "Permission denied", src)
+
+    monkeypatch.setattr(export.os, "replace", fail)
+    monkeypatch.setattr(export.os, "rename", lambda src, dst, real=os.rename: (
+        fail(src, dst) if os.path.basename(os.path.dirname(src)).startswith(".old-")
+        else real(src, dst)))
+    assert export.main(["ctranslate2", "--run-dir", run, "--output", str(out), "--force"]) == 1
+    err = capsys.readouterr().err
+    kept = [p for p in os.listdir(tmp_path) if p.startswith(".old-")]
+    assert len(kept) == 1 and not out.exists(), os.listdir(tmp_path)
+    assert _tree(tmp_path / kept[0] / "model") == before
+    assert f"is kept in {tmp_path / kept[0] / 'model'}" in err, err
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")] == []
+
+
 def test_average_last_exports_the_average(trained, tmp_path, capsys):
     run, _, _ = trained
     out = export.export_ctranslate2(run, tmp_path / "avg", average_last=3)
