@@ -81,6 +81,7 @@ import tempfile
 from typing import Optional, Sequence, Union
 
 from .ct2_spec import model_spec, unsupported
+from .mt.fileio import umask
 from .mt.ranges import add_number
 from .process import configure_process
 
@@ -312,7 +313,7 @@ def _write_atomically(output, fill):
     try:
         fill(tmp)
         _sync_directory(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~umask())
         if os.path.isdir(output) and os.listdir(output):
             old = tempfile.mkdtemp(prefix=".old-", suffix="-" + name, dir=parent)
             os.rename(output, os.path.join(old, name))
@@ -341,12 +342,6 @@ def _sync_directory(path):
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 # ----------------------------------------------------------------------------- main

@@ -101,3 +101,21 @@ def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
         (tmp_path / name).write_text("x")
     assert rd.remove_stale_temporaries() == sorted(ours)
     assert sorted(os.listdir(tmp_path)) == sorted(others)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_files_written_atomically_get_the_permissions_of_open(tmp_path, mask):
+    # atomic_write's temporary (mkstemp: 0600) takes the mode open() would give the file,
+    # 0666 less the umask, so that a run directory can be shared with a group
+    from minitransformer.mt.fileio import atomic_write_text, umask
+    saved = os.umask(mask)
+    try:
+        assert umask() == mask
+        atomic_write_text(str(tmp_path / "config.json"), "{}\n")
+        with open(tmp_path / "plain.txt", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(saved)
+    modes = {name: os.stat(tmp_path / name).st_mode & 0o777
+             for name in ("config.json", "plain.txt")}
+    assert modes == {"config.json": 0o666 & ~mask, "plain.txt": 0o666 & ~mask}, modes

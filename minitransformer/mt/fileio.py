@@ -6,10 +6,13 @@ import tempfile
 
 def atomic_write(path, write):
     """Call ``write(fileobj)`` on a temporary file next to ``path``, flush it to disk, then
-    rename it over ``path`` (a rename within one directory is atomic)."""
+    rename it over ``path`` (a rename within one directory is atomic). The file gets the
+    permissions ``open`` would give it (0666 less the umask), not mkstemp's 0600: a run
+    directory can be shared, to translate with by another user of its group."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -21,6 +24,21 @@ def atomic_write(path, write):
         if isinstance(exc, OSError) and exc.filename is None:  # (a failed write or fsync)
             raise OSError(exc.errno, exc.strerror, path) from exc
         raise
+
+
+def umask():
+    """This process's umask: read from /proc on Linux, else by setting it and back (which
+    another thread creating a file at that moment would see)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path, text):
