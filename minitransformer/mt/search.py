@@ -238,7 +238,7 @@ def shared_out(model: Transformer, src: Any, search) -> list:
         part = src[w::n]
         used = np.nonzero((part != pad).any(axis=0))[0]  # columns with a token (any padding)
         parts.append(part[:, :int(used[-1]) + 1 if len(used) else 1])
-    with threads.blas().limit(limits=1):
+    with threads.one_blas_thread():
         results = list(threads.executor(threads.search_pool, n, pin=True).map(search, parts))
     out = [None] * len(src)
     for w, result in enumerate(results):

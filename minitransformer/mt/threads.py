@@ -2,15 +2,18 @@
 the pools that mt/search.py's ``shared_out`` (one search a thread) and mt/selection.py's
 ``by_rows`` (chunks of rows a thread) hand their work to, each created once per process.
 """
+import contextlib
 import functools
 import itertools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 # by_rows' pool and shared_out's pool: two, so that work in one never waits for threads busy
 # in the other
 row_pool = {"pid": None, "executor": None, "size": 0}
 search_pool = {"pid": None, "executor": None, "size": 0}
+_pools_lock = threading.Lock()
 
 
 def cpu_threads():
@@ -27,20 +30,57 @@ def blas():
     return threadpoolctl.ThreadpoolController().select(user_api="blas")
 
 
+# one_blas_thread's state: the limit in force and how many callers are inside it
+_one_thread = {"lock": threading.Lock(), "inside": 0, "limiter": None}
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """The BLAS limited to one thread (a setting of the whole process) while any caller is
+    inside: the first to enter sets the limit, the last to leave restores what was there.
+    Nested limits from two threads would otherwise restore in the wrong order (the second
+    saves the first's 1, and puts it back last), leaving the process at one BLAS thread."""
+    state = _one_thread
+    with state["lock"]:
+        if not state["inside"]:
+            state["limiter"] = blas().limit(limits=1)
+        state["inside"] += 1
+    try:
+        yield
+    finally:
+        with state["lock"]:
+            state["inside"] -= 1
+            if not state["inside"]:
+                state["limiter"].restore_original_limits()
+                state["limiter"] = None
+
+
+def _after_fork_in_child():
+    """New locks in a forked child (a lock another thread held at the fork stays held), and
+    no caller inside one_blas_thread there."""
+    global _pools_lock
+    _pools_lock = threading.Lock()
+    _one_thread.update(lock=threading.Lock(), inside=0, limiter=None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def executor(pool, threads, pin=False):
     """The executor of ``pool`` (``row_pool`` or ``search_pool``), with at least ``threads``
     threads in this process; with ``pin``, each of its threads pinned to a CPU of its own
-    where ``pinned_cpus`` says so."""
-    if pool["pid"] != os.getpid() or pool["size"] < threads:
-        # (a pool's threads do not survive a fork: translate.py's workers make their own)
-        if pool["pid"] == os.getpid():
-            pool["executor"].shutdown(wait=False)
-        cpus = pinned_cpus(threads) if pin else None
-        made = (ThreadPoolExecutor(threads) if cpus is None else
-                ThreadPoolExecutor(threads, initializer=_pin_thread,
-                                   initargs=(cpus, itertools.count())))
-        pool.update(pid=os.getpid(), executor=made, size=threads)
-    return pool["executor"]
+    where ``pinned_cpus`` says so. A smaller one is replaced, not shut down (a search in
+    another thread may still hand it work); its threads end once it is no longer used."""
+    with _pools_lock:
+        if pool["pid"] != os.getpid() or pool["size"] < threads:
+            # (a pool's threads do not survive a fork: translate.py's workers make their own)
+            cpus = pinned_cpus(threads) if pin else None
+            made = (ThreadPoolExecutor(threads) if cpus is None else
+                    ThreadPoolExecutor(threads, initializer=_pin_thread,
+                                       initargs=(cpus, itertools.count())))
+            pool.update(pid=os.getpid(), executor=made, size=threads)
+        return pool["executor"]
 
 
 def pinned_cpus(threads):
