@@ -1,6 +1,7 @@
 """The tape and the engine: accumulation, broadcasting, no_grad, errors, user Functions,
 and gradcheck itself (it must pass right gradients and catch wrong ones)."""
 import gc
+import os
 import weakref
 
 import numpy as np
@@ -276,6 +277,79 @@ def test_gradcheck_detects_a_small_error(xp, arrays):
         gradcheck(lambda a: Almost.apply(a, scale=1.0), [arrays.randn(4)])
 
 
+def test_gradcheck_reports_where_the_largest_error_is():
+    # errors of 1e-3 at element (0, 1) and of 5 at (1, 2): "where" is the second
+    class TwoErrors(Function):
+        def forward(self, x):
+            return x * 1.0
+
+        def backward(self, dy):
+            d = dy.copy()
+            d[0, 1] += 1e-3
+            d[1, 2] += 5.0
+            return d
+    report = gradcheck(lambda x: TwoErrors.apply(x), [np.ones((2, 5))], n_directions=0,
+                       raise_on_failure=False)["input[0]"]
+    assert not report["ok"] and report["where"] == (1, 2), report
+
+
+def test_gradcheck_takes_zero_tolerances_as_given_and_refuses_what_cannot_work():
+    # atol=0 is a real setting, not "the default": a gradient off by 5e-9 fails under it
+    class Off(Function):
+        def forward(self, x):
+            return x * 0.0
+
+        def backward(self, dy):
+            return dy * 0.0 + 5e-9
+    check = lambda **kw: gradcheck(lambda x: Off.apply(x), [np.ones(3)],  # noqa: E731
+                                   raise_on_failure=False, **kw)["input[0]"]["ok"]
+    assert check() and not check(atol=0.0)
+    for bad in (dict(eps=0.0), dict(eps=-1e-6), dict(rtol=-1.0), dict(atol=0.0, rtol=0.0)):
+        with pytest.raises(ValueError, match="eps > 0, rtol >= 0 and atol >= 0, not both 0"):
+            check(**bad)
+    with pytest.raises(ValueError, match="float64 .* or float32, not float16"):
+        check(dtype=np.float16)
+
+
+def test_gradcheck_leaves_the_callers_gradients_on_its_params():
+    w = Tensor(np.ones((3, 2), np.float32), requires_grad=True)
+    w.grad = np.full((3, 2), 7.0, np.float32)
+    grad = w.grad
+    report = gradcheck(lambda x: x @ w, [np.ones((2, 3))], params=[w])
+    assert report["param[0]"]["ok"] and w.grad is grad and w.dtype == np.float32
+
+
+def test_gradcheck_says_when_no_gradient_reached_an_input():
+    # backward returns None for a float input: the check fails for it, and says why and
+    # how to hold such an input constant
+    class Masked(Function):
+        def forward(self, x, mask):
+            self.mask = mask
+            return x * mask
+
+        def backward(self, dy):
+            return dy * self.mask, None
+    x, mask = np.random.default_rng(0).standard_normal(4), np.array([1.0, 0.0, 1.0, 1.0])
+    with pytest.raises(GradcheckError, match=r"no gradient reached input\[1\].*close over it"):
+        gradcheck(lambda a, m: Masked.apply(a, m), [x, mask])
+    report = gradcheck(lambda a: Masked.apply(a, Tensor(mask)), [x])
+    assert report["input[0]"]["ok"] and report["input[0]"]["reached"]
+
+
+def test_gradcheck_reseeds_a_modules_generators_whatever_their_name():
+    # a custom module drawing dropout from self.gen (not self.rng), checked with train=True
+    class Gated(mt.nn.Module):
+        def __init__(self):
+            self.w = mt.nn.parameter(np.random.default_rng(0).standard_normal((4, 3)))
+            self.gen = mt.Generator(1)
+
+        def forward(self, x):
+            return mt.functional.dropout(x @ self.w, 0.5, self.gen, self.training)
+    report = gradcheck(Gated(), [np.random.default_rng(1).standard_normal((2, 4))],
+                       train=True)
+    assert all(r["ok"] for r in report.values()), report
+
+
 def test_wrong_gradient_shape_is_an_error(xp, arrays):
     """A transposed gradient has the right size: the engine must not reshape it silently."""
     class Transposed(Function):
@@ -375,3 +449,18 @@ def test_function_options_are_declared_and_others_refused():
         def backward(self, dy):
             return dy * self.k
     assert float(Scale.apply(Tensor(np.ones(2)), k=3.0).sum().data) == 6.0
+
+
+def test_the_readmes_gradient_check_examples_run_as_written():
+    # the blocks of README's "Check your own layer" that call gradcheck, run in order in one
+    # namespace, as a reader pasting them would
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("### Check your own layer", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "gradcheck" in b]
+    assert len(blocks) >= 2
+    namespace = {}
+    exec("\n".join(blocks), namespace)
+    assert {"input[0]", "w", "v"} <= set(namespace["report"])
+    assert all(r["ok"] for r in namespace["report"].values())

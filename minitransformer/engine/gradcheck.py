@@ -9,7 +9,9 @@ matters, and for every float input and parameter compares the analytic gradient 
     (L(x + h u) - L(x - h u)) / (2 h)
 along random unit directions u, and along every coordinate (the full Jacobian-vector row)
 when x has at most ``full_max`` elements. Integer inputs (token ids) are passed through and
-skipped. Everything runs in float64 by default, with h and tolerances taken from the dtype.
+skipped; every float input is checked (to hold one constant, close over it in fn). Everything
+runs in float64 by default, with h and tolerances taken from the dtype (float32 is allowed,
+with tolerances loose enough to catch only gross errors; shorter floats are refused).
 
 Modules. When ``fn`` is a Module, or a bound method of one (``model.loss``), gradcheck checks
 a float64 copy of it (``copy.deepcopy``), not the module itself: every float array the module
@@ -19,7 +21,8 @@ casts) and float scalar is cast, so a float32 or float16 (mixed-precision) model
 in float64. The copy's parameters are checked under the original names (``params`` given as
 the module's tensors are mapped to the copy's), it is put in eval mode (dropout off) unless
 ``train=True``, and a dropout kept on is made repeatable by re-seeding its generators before
-every evaluation. The caller's module is left untouched: same arrays, dtypes, training flag,
+every evaluation (every Generator the modules hold, whatever its attribute's name). The
+caller's module is left untouched: same arrays, dtypes, training flag,
 gradients and generator states. A module that cannot be deep-copied is checked in place if it
 is already entirely in the check dtype, and refused with a TypeError saying what to do
 otherwise. Tensors that are not the module's (and every ``params`` entry when ``fn`` is a
@@ -148,17 +151,29 @@ def gradcheck(fn: Callable[..., Tensor], inputs: Sequence[Any], params: Sequence
               raise_on_failure: bool = True) -> dict:
     """Check fn's gradients w.r.t. float ``inputs`` and ``params`` by finite differences.
 
-    Returns a dict ``{name: {"max_abs": .., "max_rel": .., "where": .., "ok": bool}}``
-    (names ``input[i]`` and the parameters' names). Raises GradcheckError listing, per input
-    and parameter, the max absolute and relative error and where (and a note when dropout was
-    active or fn's output has a lower precision than ``dtype``), unless
+    Returns a dict ``{name: {"max_abs": .., "max_rel": .., "where": .., "ok": bool,
+    "reached": bool}}`` (names ``input[i]`` and the parameters' names; ``where``: the index,
+    or random direction, of the largest failure, else of the largest relative error;
+    ``reached``: whether backward gave it a gradient at all). ``eps``, ``rtol`` and ``atol``
+    default to the dtype's (TOLERANCES); a failure is |a - n| > atol + rtol * max(|a|, |n|).
+    Raises GradcheckError listing, per input and parameter, the max absolute and relative
+    error and where (and a note when dropout was active, no gradient reached an input, or
+    fn's output has a lower precision than ``dtype``), unless
     ``raise_on_failure=False``. A Module, or a bound method of one, as ``fn`` is checked on a
     copy in ``dtype`` with its parameters, in eval mode unless ``train=True`` (see the module
     docstring); the caller's module is not changed.
     """
     dtype = np.dtype(dtype)
-    h0, rtol0, atol0 = TOLERANCES.get(dtype, TOLERANCES[np.dtype(np.float32)])
-    h, rtol, atol = eps or h0, rtol or rtol0, atol or atol0
+    if dtype not in TOLERANCES:
+        raise ValueError(f"gradcheck runs in float64 (the default) or float32, not {dtype}: "
+                         "finite differences in a shorter float are mostly rounding")
+    h0, rtol0, atol0 = TOLERANCES[dtype]
+    h = h0 if eps is None else float(eps)
+    rtol = rtol0 if rtol is None else float(rtol)
+    atol = atol0 if atol is None else float(atol)
+    if not h > 0 or rtol < 0 or atol < 0 or not rtol + atol > 0:
+        raise ValueError(f"gradcheck needs eps > 0, rtol >= 0 and atol >= 0, not both 0; "
+                         f"got eps={eps}, rtol={rtol}, atol={atol}")
     fn, module, params = _on_check_copy(fn, params, dtype)
     if module is not None:
         was_training = module.training
@@ -213,17 +228,16 @@ def _cast_inputs(inputs, dtype):
 def _cast_params(named, dtype):
     """Cast each (name, Tensor) parameter to ``dtype``, requiring grad, in place.
     -> what ``_restore`` needs to undo it."""
-    saved = [(p, p.data, p.requires_grad) for _, p in named]
+    saved = [(p, p.data, p.requires_grad, p.grad) for _, p in named]
     for _, p in named:
         p.data, p.requires_grad, p.grad = p.data.astype(dtype), True, None
     return saved
 
 
 def _restore(saved):
-    """Undo ``_cast_params``: the original data and requires_grad, no gradient."""
-    for p, data, rg in saved:
-        p.data, p.requires_grad = data, rg
-        p.grad = None
+    """Undo ``_cast_params``: the original data, requires_grad and gradient."""
+    for p, data, rg, grad in saved:
+        p.data, p.requires_grad, p.grad = data, rg, grad
 
 
 def _evaluator(fn, tensors, generators):
@@ -264,6 +278,10 @@ def _failure_table(report, dtype, h, rtol, atol):
     for k, r in report.items():
         lines.append(f"  {'FAIL' if not r['ok'] else 'ok  '} {k:<28} max abs {r['max_abs']:.3e}"
                      f"  max rel {r['max_rel']:.3e}  at {r['where']}")
+        if not r["ok"] and not r["reached"]:
+            lines.append(f"       (no gradient reached {k}: backward returned None for it, or "
+                         "it is not used; to hold a float input constant, close over it in "
+                         "fn instead of passing it in inputs)")
     return lines
 
 
@@ -290,7 +308,8 @@ def _hints(out_dtype, dtype, draws_before, draws, module_train):
 
 
 def _check_one(t, loss, xp, rs, h, rtol, atol, n_directions, full_max):
-    analytic = t.grad if t.grad is not None else xp.zeros_like(t.data)
+    reached = t.grad is not None  # (else no Function gave this input a gradient)
+    analytic = t.grad if reached else xp.zeros_like(t.data)
     original = t.data.copy()
     results = []  # (abs err, rel err, where, ok)
 
@@ -314,9 +333,9 @@ def _check_one(t, loss, xp, rs, h, rtol, atol, n_directions, full_max):
         num, ana = directional(u), float((analytic * u).sum())
         results.append(_compare(ana, num, f"direction {k}", rtol, atol))
     t.data = original
-    worst = max(results, key=lambda r: r[1] if r[3] else np.inf)
+    worst = max(results, key=lambda r: (not r[3], r[1]))  # the largest failure, if any
     return {"max_abs": max(r[0] for r in results), "max_rel": max(r[1] for r in results),
-            "where": worst[2], "ok": all(r[3] for r in results)}
+            "where": worst[2], "ok": all(r[3] for r in results), "reached": reached}
 
 
 def _compare(ana, num, where, rtol, atol):
@@ -325,15 +344,16 @@ def _compare(ana, num, where, rtol, atol):
     softmax is invariant) is judged by its absolute error, not by 0 / 0."""
     err = abs(ana - num)
     scale = max(abs(ana), abs(num))
-    return err, err / max(scale, atol / rtol), where, err <= atol + rtol * scale
+    floor = atol / rtol if rtol else np.finfo(np.float64).tiny
+    return err, err / max(scale, floor), where, err <= atol + rtol * scale
 
 
 def _generators(module, inputs):
     """(generator, state) pairs to reset before each evaluation, so dropout repeats."""
     found = []
     if module is not None:
-        for m in module.modules():
-            g = getattr(m, "rng", None)
-            if isinstance(g, backend.Generator) and all(g is not f for f, _ in found):
-                found.append((g, g.get_state()))
+        for m in module.modules():  # (whatever the attribute's name)
+            for g in vars(m).values():
+                if isinstance(g, backend.Generator) and all(g is not f for f, _ in found):
+                    found.append((g, g.get_state()))
     return found
