@@ -274,7 +274,8 @@ def test_float16_on_the_cpu_is_refused(tmp_path):
 def test_disk_full_at_a_checkpoint_keeps_the_previous_ones(run_copy):
     """The next checkpoint's write fails with ENOSPC (os.fsync made to fail, as on a full
     disk): one line naming the file and what to do, exit 2, no temporary left, the
-    checkpoints saved before unchanged and loadable (metrics.jsonl has the new log lines)."""
+    checkpoints saved before unchanged and loadable (metrics.jsonl has the new log lines;
+    config.json, which takes the --max-updates given again only with a checkpoint, too)."""
     skip = ("train.lock", "metrics.jsonl")
     before = digest(run_copy, skip)
     code = (
@@ -403,3 +404,108 @@ def test_divergence_in_a_new_run_saves_nothing(tmp_path):
                  "--valid-every", "20", "--max-bad-updates", "3")
     clean_failure(proc, 3, "3 updates in a row", "no checkpoint was written")
     assert not [n for n in os.listdir(run) if n.endswith(".npz")]
+
+
+# ---- one's own corpus: splits, leftovers, resuming from elsewhere --------------------------------
+def corpus(path, n_valid=20, n_test=6):
+    """A small corpus in ``path`` (train/valid/test .src/.tgt), as --data takes it."""
+    from minitransformer.mt.synthetic import write_corpus
+    write_corpus(str(path), seed=1234, n_train=600, n_valid=n_valid, n_test=n_test)
+    return ["--data", str(path), "--src-lang", "src", "--tgt-lang", "tgt"]
+
+
+def cut_last_line(path):
+    lines = open(path).read().splitlines()
+    with open(path, "w") as fh:
+        fh.write("".join(line + "\n" for line in lines[:-1]))
+
+
+def test_a_new_run_sets_aside_what_a_run_that_never_saved_left(tmp_path):
+    # the first start fails after making its vocabulary (valid.tgt a line short); fixed and
+    # started again with another --vocab-size, the run makes a new vocabulary of that size
+    # and logs only itself, and the first start's files are set aside, not lost
+    data, run = corpus(tmp_path / "data"), str(tmp_path / "run")
+    valid = tmp_path / "data" / "valid.tgt"
+    full = valid.read_text()
+    cut_last_line(valid)
+    flags = [*SMALL, *data, "--run-dir", run, "--max-updates", "4", "--valid-every", "4"]
+    clean_failure(train(*flags), 2, "valid.src has 20 lines", "valid.tgt has 19")
+    old_spm = open(os.path.join(run, "spm.model"), "rb").read()
+    valid.write_text(full)
+    proc = train(*flags, "--vocab-size", "90")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    aside = [n for n in os.listdir(run) if n.startswith("unsaved-")]
+    assert len(aside) == 1 and f"moved to {os.path.join(run, aside[0])}" in proc.stdout
+    assert open(os.path.join(run, aside[0], "spm.model"), "rb").read() == old_spm
+    from minitransformer.mt.tokenizer import Tokenizer
+    assert Tokenizer(os.path.join(run, "spm.model")).vocab_size == 90
+    updates = [json.loads(line)["update"] for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert updates == sorted(updates)  # one run's records
+
+
+@pytest.mark.parametrize("case", ["named-split-missing", "one-file-missing",
+                                  "test-misaligned"])
+def test_a_split_that_cannot_be_used_stops_the_run_before_any_work(tmp_path, case):
+    data = corpus(tmp_path / "data")
+    extra, names = {
+        "named-split-missing": (["--valid-split", "dev"], ["--valid-split dev", "dev.src",
+                                                           "dev.tgt", "not found"]),
+        "one-file-missing": ([], ["--valid-split valid", "valid.tgt not found"]),
+        "test-misaligned": ([], ["test.src has 6 lines", "test.tgt has 5"]),
+    }[case]
+    if case == "one-file-missing":
+        os.unlink(tmp_path / "data" / "valid.tgt")
+    if case == "test-misaligned":
+        cut_last_line(tmp_path / "data" / "test.tgt")
+    run = tmp_path / "run"
+    flags = [a for a in SMALL if a not in ("--test-split", "")]
+    proc = train(*flags, *data, *extra, "--run-dir", str(run), "--max-updates", "4")
+    clean_failure(proc, 2, *names)
+    assert not os.path.exists(run / "spm.model") and not os.path.exists(run / "config.json")
+
+
+def test_without_validation_files_the_run_says_so_and_trains(tmp_path):
+    data = corpus(tmp_path / "data")
+    for side in ("src", "tgt"):
+        os.unlink(tmp_path / "data" / f"valid.{side}")
+    proc = train(*SMALL, *data, "--run-dir", str(tmp_path / "run"), "--max-updates", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no validation set" in proc.stdout and "valid.src" in proc.stdout
+
+
+def test_the_test_translations_keep_every_line_of_the_test_source(tmp_path):
+    data = corpus(tmp_path / "data")
+    src = tmp_path / "data" / "test.src"
+    lines = src.read_text().splitlines()
+    lines[2] = ""  # an empty source line: an empty translation, as translate.py gives it
+    src.write_text("\n".join(lines) + "\n")
+    flags = [a for a in SMALL if a not in ("--test-split", "")]
+    proc = train(*flags, *data, "--run-dir", str(tmp_path / "run"), "--max-updates", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hyps = open(tmp_path / "run" / "test.hyp").read().split("\n")[:-1]
+    assert len(hyps) == 6 and hyps[2] == "" and "test (test, 6 sentences" in proc.stdout
+
+
+def test_resume_from_another_directory_and_flags_that_change_the_data(tmp_path):
+    # a relative --data is saved as an absolute path: the run resumes from anywhere; the
+    # same corpus written another way is accepted; another training split or sentencepiece
+    # type is refused; an option given again is saved with the next checkpoint
+    corpus(tmp_path / "data")
+    run = str(tmp_path / "run")
+    proc = train(*SMALL, "--data", "data", "--src-lang", "src", "--tgt-lang", "tgt",
+                 "--run-dir", run, "--max-updates", "4", "--valid-every", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(run, "config.json")) as fh:
+        assert json.load(fh)["train"]["data"] == str(tmp_path / "data")
+    proc = train("--run-dir", run, "--resume", "--max-updates", "6", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # (from ROOT: another directory)
+    with open(os.path.join(run, "config.json")) as fh:
+        assert json.load(fh)["train"]["max_updates"] == 6  # saved for the next --resume
+    proc = train("--run-dir", run, "--resume", "--data", str(tmp_path / "data") + "/",
+                 "--max-updates", "8", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = digest(run)
+    for flag, value in (("--train-split", "valid"), ("--spm-type", "bpe")):
+        proc = train("--run-dir", run, "--resume", flag, value, "--max-updates", "10")
+        clean_failure(proc, 2, f"{flag} '{value}' differs from the run being resumed")
+    assert digest(run) == before

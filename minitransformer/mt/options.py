@@ -8,6 +8,7 @@ config file named, so that ``--resume`` can tell a deliberate change from a defa
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from ..nn.transformer import PRESETS, TransformerConfig
@@ -264,8 +265,9 @@ def option_names():
 
 
 # ---- after parsing: resume, defaults, checks ------------------------------------------------
-RESUME_FIXED = MODEL_FLAGS + ["preset", "vocab_size", "data", "src_lang", "tgt_lang", "seed",
-                              "subword_alpha", "subword_nbest"]  # a resumed run cannot change
+RESUME_FIXED = MODEL_FLAGS + ["preset", "vocab_size", "spm_type", "data", "train_split",
+                              "src_lang", "tgt_lang", "seed", "subword_alpha",
+                              "subword_nbest"]  # a resumed run cannot change
 
 
 def restore_for_resume(args, saved, run_dir):
@@ -277,6 +279,8 @@ def restore_for_resume(args, saved, run_dir):
         if name in args.explicit:
             # a run saved before the option existed ran with its default
             old = saved["train"].get(name, saved["model"].get(name, parser.get_default(name)))
+            if name == "data" and _same_corpus(old, args.data):
+                continue
             if old != getattr(args, name):
                 raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)!r} "
                                  f"differs from the run being resumed ({old!r} in "
@@ -285,6 +289,21 @@ def restore_for_resume(args, saved, run_dir):
     for name, value in saved["train"].items():
         if name not in args.explicit:
             setattr(args, name, value)
+
+
+def _same_corpus(saved, given):
+    """--data on --resume: the run's directory however it is written (relative or absolute,
+    a trailing slash), or another path when the run's is not found from here (the corpus
+    moved, or the run was started from another directory with a relative path)."""
+    if saved is None or given is None:
+        return saved == given
+    if os.path.realpath(saved) == os.path.realpath(given):
+        return True
+    if not os.path.isdir(saved) and os.path.isdir(given):
+        print(f"note: the run's --data {saved} is not found from here; using {given}",
+              flush=True)
+        return True
+    return False
 
 
 def fill_defaults(args):

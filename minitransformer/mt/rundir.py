@@ -9,6 +9,8 @@
     RUN_DIR/metrics.jsonl             one JSON record per log line and per validation
     RUN_DIR/<split>.hyp               the test split's translations
     RUN_DIR/train.lock                held (flock) by the run training here; who and since when
+    RUN_DIR/unsaved-<UTC time>/       what a run that stopped before its first checkpoint left,
+                                      set aside when a new run starts here (set_aside_unsaved)
 
 train.py writes it, translate.py and averaging read it; the checkpoint a translation uses
 (the best, else the last; or the average of the last N periodic ones) and the check that a
@@ -121,6 +123,25 @@ class RunDir:
             atomic_write_text(self.metrics, "".join(line.rstrip("\n") + "\n" for line in keep))
         return len(lines) - len(keep)
 
+    def set_aside_unsaved(self):
+        """A new run starting here (no checkpoint_last.npz): move what an earlier run that
+        stopped before its first checkpoint left (its config, vocabulary, log, periodic
+        checkpoints, hypotheses) into ``unsaved-<UTC time>/``, so that the new run neither
+        reuses a vocabulary made with other flags nor appends to another run's log.
+        -> (that directory, the names moved), or None when there was nothing."""
+        names = sorted(n for n in os.listdir(self.path) if UNSAVED_RUN_FILE.fullmatch(n))
+        if not names:
+            return None
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        aside, n = self.file(f"unsaved-{stamp}"), 1
+        while os.path.exists(aside):
+            n += 1
+            aside = self.file(f"unsaved-{stamp}-{n}")
+        os.mkdir(aside)
+        for name in names:
+            os.rename(self.file(name), os.path.join(aside, name))
+        return aside, names
+
     def read_config(self):
         with open(self.config, encoding="utf-8") as fh:
             return json.load(fh)
@@ -182,6 +203,11 @@ NO_LOCKS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}  # flock not supported
 # what atomic_write leaves of an interrupted save of one of the run's files
 STALE_TEMPORARY = re.compile(r"\.tmp-.{8}(checkpoint_(last|best|\d+)\.npz|config\.json|"
                              r"metrics\.jsonl|spm\.(model|vocab)|[^/]*\.hyp)")
+
+
+# the files of a run, which a new run must not mix with its own (RunDir.set_aside_unsaved)
+UNSAVED_RUN_FILE = re.compile(r"config\.json|metrics\.jsonl|spm\.(model|vocab)|"
+                              r"checkpoint_(best|\d+)\.npz|[^/]*\.hyp")
 
 
 def _record_update(line):

@@ -24,7 +24,7 @@ from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_para
 from ..optim import Adam, DynamicLossScaler, LossScaleCollapse, linear_decay_lr, noam_lr
 from . import checkpoint as ckpt
 from . import autosize, memfit
-from .data import Batches, DataError, collate, overlong_pairs, read_parallel
+from .data import Batches, DataError, collate, overlong_pairs, read_lines, read_parallel
 from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
 from .log import Log, StopSignals
@@ -70,6 +70,7 @@ class Trainer:
                              f"device is {device}, where NumPy's float16 matrix products are "
                              "slow and round every partial sum to float16: use float32 here")
         self.rd = RunDir(args.run_dir)
+        self._config_to_save = None  # (options given again on --resume: see _set_up)
         try:
             self._set_up()
         except BaseException:
@@ -97,6 +98,15 @@ class Trainer:
             self._make_batches()
         if self.main and not args.resume:
             self.rd.write_config(dataclasses.asdict(self.cfg), run_options(args))
+        elif self.main and run_options(args) != self._saved["train"]:
+            # an option given again overrides the saved one, for the next --resume too: saved
+            # with the next checkpoint (a run that fails before it leaves config.json as it was)
+            self._config_to_save = (self._saved["model"], run_options(args))
+            changed = [f"--{k.replace('_', '-')}" for k, v in sorted(run_options(args).items())
+                       if k in args.explicit and self._saved["train"].get(k, v) != v]
+            if changed:
+                self._log_early(f"{', '.join(changed)} as given here: saved in config.json "
+                                "with the next checkpoint, for the next --resume")
 
     def _open_run_dir(self):
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
@@ -115,11 +125,18 @@ class Trainer:
             if not self.rd.holds_run() or not os.path.exists(self.rd.config):
                 raise SystemExit(f"error: --resume: no checkpoint_last.npz and config.json in "
                                  f"--run-dir {self.rd.path}; start without --resume")
-            restore_for_resume(self.args, self.rd.read_config(), self.rd.path)
+            self._saved = self.rd.read_config()
+            restore_for_resume(self.args, self._saved, self.rd.path)
         elif self.rd.holds_run():
             raise SystemExit(f"error: --run-dir {self.rd.path} already holds a run "
                              "(checkpoint_last.npz); pass --resume to continue it or choose "
                              "another --run-dir (nothing was overwritten)")
+        elif self.main:
+            moved = self.rd.set_aside_unsaved()
+            if moved:
+                self._log_early(f"{self.rd.path} held what a run that stopped before its "
+                                f"first checkpoint left ({', '.join(moved[1])}): moved to "
+                                f"{moved[0]}; this run starts afresh")
 
     def _build_model(self):
         """The model, Adam and (float16) the loss scaler: new, or as the resumed run left
@@ -308,7 +325,13 @@ class Trainer:
             self.data_dir = data_dir
         else:
             if not os.path.isdir(a.data):
+                if a.resume and "data" not in a.explicit:
+                    raise DataError(f"--data {a.data} (the run's, in {self.rd.config}): no such "
+                                    f"directory from {os.getcwd()}; give --data with the "
+                                    "corpus's path")
                 raise DataError(f"--data {a.data}: no such directory")
+            if not a.resume:  # (saved in config.json: --resume finds it from anywhere)
+                a.data = os.path.abspath(a.data)
             if not (a.src_lang and a.tgt_lang):
                 raise DataError("--data needs --src-lang and --tgt-lang (the file suffixes, "
                                 "e.g. en and de for train.en / train.de)")
@@ -318,6 +341,39 @@ class Trainer:
             if split:
                 self.files[split] = tuple(os.path.join(self.data_dir, f"{split}.{lang}")
                                           for lang in (a.src_lang, a.tgt_lang))
+        self._check_splits()
+
+    def _check_splits(self):
+        """The validation and test splits are used when both their files exist. One file
+        without the other, or a split named on this command line whose files are missing,
+        is refused before any work; a default name with neither file means no validation (or
+        no test), said in the log. The test files are read now (``self.test_set``), so that
+        a mistake in them stops the run before training, not after it."""
+        a = self.args
+        self.test_set = None
+        for flag, split, what in (("--valid-split", a.valid_split, "validation"),
+                                  ("--test-split", a.test_split, "test")):
+            if not split or split == a.train_split:
+                continue
+            paths = self.files[split]
+            found = [os.path.exists(p) for p in paths]
+            if not all(found):
+                named = flag[2:].replace("-", "_") in a.explicit
+                if any(found) or named:
+                    missing = " and ".join(p for p, ok in zip(paths, found) if not ok)
+                    raise DataError(f"{flag} {split}: {missing} not found; give the name of a "
+                                    f"split with both files in {self.data_dir}, or {flag} '' "
+                                    f"for no {what}")
+                self._log_early(f"no {what} set ({paths[0]} and {paths[1]} not found): "
+                                + ("no validation and no checkpoint_best.npz"
+                                   if what == "validation" else "no test score at the end"))
+            elif what == "test":
+                src, ref = read_lines(paths[0]), read_lines(paths[1])
+                if len(src) != len(ref):
+                    raise DataError(f"{paths[0]} has {len(src)} lines but {paths[1]} has "
+                                    f"{len(ref)}; the files must be aligned line by line "
+                                    "(line i of one translates line i of the other)")
+                self.test_set = (src, ref)
 
     def _log_early(self, text):
         if self.main:
@@ -356,6 +412,9 @@ class Trainer:
         if self.main:
             for path in paths:
                 ckpt.save_checkpoint(path, self.model, self.optim, self._meta())
+            if self._config_to_save is not None and self.rd.last in paths:
+                self.rd.write_config(*self._config_to_save)  # (the options it now runs with)
+                self._config_to_save = None
 
     def _load(self, path):
         params, optim, meta = ckpt.load_checkpoint(path)
@@ -612,9 +671,10 @@ class Trainer:
         """Score the test split with beam search: the best checkpoint, or an average."""
         a = self.args
         split = a.test_split
-        if not split or split not in self.files or not os.path.exists(self.files[split][0]):
+        if self.test_set is None:
             return None
-        src, ref, _ = read_parallel(*self.files[split])
+        src, ref = self.test_set  # (every line: an empty source gives an empty translation,
+        #                            as translate.py gives it, so test.hyp aligns with it)
         params, _, what = self.rd.load_params(self.rd.choose_checkpoints(a.average_last),
                                               average=bool(a.average_last))
         what = os.path.basename(what) if what.endswith(".npz") else what
@@ -687,11 +747,15 @@ def main(argv=None, comm=None):
     except MemoryError:
         return _fail(out_of_memory(args, trainer), 1)
     except KeyboardInterrupt:  # (under mpiexec: status 1, so the other ranks are stopped)
-        stage = ("while setting up the run" if trainer is None else "while profiling"
-                 if args.profile else "while scoring the test set")
-        return _fail(f"interrupted {stage}; what was saved in {args.run_dir} is intact (run "
-                     "the same command again; after training, --resume continues)",
-                     130 if comm is None else 1)
+        if trainer is None:
+            stage, again = "while setting up the run", "run the same command again"
+        elif args.profile:
+            stage, again = "while profiling", "run the same command again"
+        else:  # (training finished: its checkpoints are saved)
+            stage, again = ("while scoring the test set", "training had finished; the same "
+                            "command with --resume scores the test set")
+        return _fail(f"interrupted {stage}; what was saved in {args.run_dir} is intact "
+                     f"({again})", 130 if comm is None else 1)
     finally:
         if trainer is not None:
             trainer.rd.unlock()
