@@ -324,42 +324,48 @@ def test_beam_search_with_candidates_in_threads_equals_one_thread(monkeypatch):
     assert search.beam_search(m, src, beam=4, max_len_a=6, return_all=True) == one
 
 
-def test_overlapping_searches_in_threads_leave_the_blas_threads_as_they_were():
-    # two searches of a server's threads limit the BLAS to one thread at overlapping times
-    # (A in, B in, A out, B out): afterwards the BLAS has its threads again (with each
-    # search setting and restoring the limit itself, B put back A's 1)
+def test_searches_from_several_threads_leave_the_blas_threads_as_they_were():
+    # two threads of a server search at once: the searches shared out to threads take the
+    # one-BLAS-thread limit in turn (B waits for A), each with one thread inside; afterwards
+    # the BLAS has its threads again, and a third thread can still set the limit (the thread
+    # that set it has let go of threadpoolctl's control)
     import threading
+    import time
     pytest.importorskip("threadpoolctl")
     from minitransformer.mt import threads as mt_threads
-    before = mt_threads.cpu_threads()
-    if before < 2:
+    if mt_threads.cpu_threads() < 2:
         with mt_threads.blas().limit(limits=2):
             if mt_threads.cpu_threads() != 2:
                 pytest.skip("the BLAS does not take a thread limit here")
-            return test_overlapping_searches_in_threads_leave_the_blas_threads_as_they_were()
-    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
-    seen = {}
+            return test_searches_from_several_threads_leave_the_blas_threads_as_they_were()
+    before = mt_threads.cpu_threads()
+    a_in, seen = threading.Event(), {}
 
     def a():
         with mt_threads.one_blas_thread():
             a_in.set()
-            b_in.wait(10)
+            time.sleep(0.2)
             seen["a"] = mt_threads.cpu_threads()
-        a_out.set()
+            seen["a_out"] = time.monotonic()
 
     def b():
         a_in.wait(10)
         with mt_threads.one_blas_thread():
-            b_in.set()
-            a_out.wait(10)
-            seen["b"] = mt_threads.cpu_threads()  # (A has left: still one thread for B)
+            seen["b_in"] = time.monotonic()
+            seen["b"] = mt_threads.cpu_threads()
 
-    workers = [threading.Thread(target=f) for f in (a, b)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(20)
-    assert seen == {"a": 1, "b": 1}
+    def c():
+        with mt_threads.one_blas_thread():
+            seen["c"] = mt_threads.cpu_threads()
+
+    for group in ([a, b], [c]):
+        workers = [threading.Thread(target=f) for f in group]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(20)
+    assert (seen["a"], seen["b"], seen["c"]) == (1, 1, 1)
+    assert seen["b_in"] >= seen["a_out"]  # in turn
     assert mt_threads.cpu_threads() == before
 
 

@@ -30,37 +30,26 @@ def blas():
     return threadpoolctl.ThreadpoolController().select(user_api="blas")
 
 
-# one_blas_thread's state: the limit in force and how many callers are inside it
-_one_thread = {"lock": threading.Lock(), "inside": 0, "limiter": None}
+_one_at_a_time = threading.Lock()  # (one_blas_thread)
 
 
 @contextlib.contextmanager
 def one_blas_thread():
-    """The BLAS limited to one thread (a setting of the whole process) while any caller is
-    inside: the first to enter sets the limit, the last to leave restores what was there.
-    Nested limits from two threads would otherwise restore in the wrong order (the second
-    saves the first's 1, and puts it back last), leaving the process at one BLAS thread."""
-    state = _one_thread
-    with state["lock"]:
-        if not state["inside"]:
-            state["limiter"] = blas().limit(limits=1)
-        state["inside"] += 1
-    try:
+    """The BLAS limited to one thread (a setting of the whole process) while a search shared
+    out to threads runs. Such searches run one at a time: two at once, from two threads of a
+    server, would each set and restore the limit, and the last to restore could put back the
+    other's 1, leaving the process at one BLAS thread. The thread that sets the limit also
+    restores it, in a ``with`` (threadpoolctl lets one thread at a time control OpenBLAS's
+    threads, until it leaves its last ``with``). Each such search uses every core already,
+    so running them in turn costs little."""
+    with _one_at_a_time, blas().limit(limits=1):
         yield
-    finally:
-        with state["lock"]:
-            state["inside"] -= 1
-            if not state["inside"]:
-                state["limiter"].restore_original_limits()
-                state["limiter"] = None
 
 
 def _after_fork_in_child():
-    """New locks in a forked child (a lock another thread held at the fork stays held), and
-    no caller inside one_blas_thread there."""
-    global _pools_lock
-    _pools_lock = threading.Lock()
-    _one_thread.update(lock=threading.Lock(), inside=0, limiter=None)
+    """New locks in a forked child (a lock another thread held at the fork stays held)."""
+    global _pools_lock, _one_at_a_time
+    _pools_lock, _one_at_a_time = threading.Lock(), threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
