@@ -188,6 +188,12 @@ def test_resume_into_an_empty_directory(tmp_path):
     clean_failure(proc, 2, "--resume", str(tmp_path))
 
 
+def test_resume_of_a_run_dir_that_does_not_exist_creates_nothing(tmp_path):
+    proc = train(*SMALL, "--run-dir", str(tmp_path / "typo"), "--resume")
+    clean_failure(proc, 2, "--resume", "typo does not exist")
+    assert os.listdir(tmp_path) == []
+
+
 def test_resume_with_another_model_is_refused(run_copy):
     before = digest(run_copy)
     proc = train("--run-dir", run_copy, "--resume", "--d-model", "64", "--max-updates", "8")

@@ -112,6 +112,9 @@ class Trainer:
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
         fill in those this command line does not give). Nothing in it is overwritten.
         Rank 0 holds the directory's lock for the life of the process (RunDir.lock)."""
+        if self.args.resume and not os.path.isdir(self.rd.path):  # (not made: a typo)
+            raise SystemExit(f"error: --resume: --run-dir {self.rd.path} does not exist; give "
+                             "the directory of the run to continue")
         os.makedirs(self.rd.path, exist_ok=True)
         if self.main:
             if not self.rd.lock():  # (RunDirBusy while another run trains here)
