@@ -427,21 +427,21 @@ def cut_last_line(path):
 
 
 def test_a_new_run_sets_aside_what_a_run_that_never_saved_left(tmp_path):
-    # the first start fails after making its vocabulary (valid.tgt a line short); fixed and
-    # started again with another --vocab-size, the run makes a new vocabulary of that size
-    # and logs only itself, and the first start's files are set aside, not lost
+    # the first start diverges before its first checkpoint, leaving its vocabulary, config
+    # and log; started again with another --vocab-size, the run makes a vocabulary of that
+    # size and logs only itself, and the first start's files are set aside, not lost
     data, run = corpus(tmp_path / "data"), str(tmp_path / "run")
-    valid = tmp_path / "data" / "valid.tgt"
-    full = valid.read_text()
-    cut_last_line(valid)
     flags = [*SMALL, *data, "--run-dir", run, "--max-updates", "4", "--valid-every", "4"]
-    clean_failure(train(*flags), 2, "valid.src has 20 lines", "valid.tgt has 19")
+    clean_failure(train(*flags, "--lr-factor", "1e30", "--max-bad-updates", "2"), 3,
+                  "no checkpoint was written")
+    left = {"config.json", "spm.model", "spm.vocab", "metrics.jsonl"}
+    assert left <= set(os.listdir(run))
     old_spm = open(os.path.join(run, "spm.model"), "rb").read()
-    valid.write_text(full)
     proc = train(*flags, "--vocab-size", "90")
     assert proc.returncode == 0, proc.stderr[-3000:]
     aside = [n for n in os.listdir(run) if n.startswith("unsaved-")]
     assert len(aside) == 1 and f"moved to {os.path.join(run, aside[0])}" in proc.stdout
+    assert left <= set(os.listdir(os.path.join(run, aside[0])))
     assert open(os.path.join(run, aside[0], "spm.model"), "rb").read() == old_spm
     from minitransformer.mt.tokenizer import Tokenizer
     assert Tokenizer(os.path.join(run, "spm.model")).vocab_size == 90
@@ -450,19 +450,24 @@ def test_a_new_run_sets_aside_what_a_run_that_never_saved_left(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["named-split-missing", "one-file-missing",
-                                  "test-misaligned"])
+                                  "valid-misaligned", "test-misaligned", "test-empty"])
 def test_a_split_that_cannot_be_used_stops_the_run_before_any_work(tmp_path, case):
     data = corpus(tmp_path / "data")
     extra, names = {
         "named-split-missing": (["--valid-split", "dev"], ["--valid-split dev", "dev.src",
                                                            "dev.tgt", "not found"]),
         "one-file-missing": ([], ["--valid-split valid", "valid.tgt not found"]),
+        "valid-misaligned": ([], ["valid.src has 20 lines", "valid.tgt has 19"]),
         "test-misaligned": ([], ["test.src has 6 lines", "test.tgt has 5"]),
+        "test-empty": ([], ["--test-split test", "have no lines", "--test-split ''"]),
     }[case]
     if case == "one-file-missing":
         os.unlink(tmp_path / "data" / "valid.tgt")
-    if case == "test-misaligned":
-        cut_last_line(tmp_path / "data" / "test.tgt")
+    if case.endswith("misaligned"):
+        cut_last_line(tmp_path / "data" / f"{case.split('-')[0]}.tgt")
+    if case == "test-empty":
+        for side in ("src", "tgt"):
+            (tmp_path / "data" / f"test.{side}").write_text("")
     run = tmp_path / "run"
     flags = [a for a in SMALL if a not in ("--test-split", "")]
     proc = train(*flags, *data, *extra, "--run-dir", str(run), "--max-updates", "4")
@@ -490,6 +495,11 @@ def test_the_test_translations_keep_every_line_of_the_test_source(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     hyps = open(tmp_path / "run" / "test.hyp").read().split("\n")[:-1]
     assert len(hyps) == 6 and hyps[2] == "" and "test (test, 6 sentences" in proc.stdout
+    # the training split as the test split is scored too
+    proc = train(*flags, *data, "--test-split", "train", "--run-dir", str(tmp_path / "run2"),
+                 "--max-updates", "2")
+    assert proc.returncode == 0 and "test (train, 600 sentences" in proc.stdout, \
+        proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_resume_from_another_directory_and_flags_that_change_the_data(tmp_path):
@@ -507,9 +517,11 @@ def test_resume_from_another_directory_and_flags_that_change_the_data(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]  # (from ROOT: another directory)
     with open(os.path.join(run, "config.json")) as fh:
         assert json.load(fh)["train"]["max_updates"] == 6  # saved for the next --resume
-    proc = train("--run-dir", run, "--resume", "--data", str(tmp_path / "data") + "/",
-                 "--max-updates", "8", "--no-progress")
+    proc = train("--run-dir", run, "--resume", "--data", "data/", "--max-updates", "8",
+                 "--no-progress", cwd=tmp_path)  # (the same corpus, written another way)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(run, "config.json")) as fh:
+        assert json.load(fh)["train"]["data"] == str(tmp_path / "data")  # (still absolute)
     before = digest(run)
     for flag, value in (("--train-split", "valid"), ("--spm-type", "bpe")):
         proc = train("--run-dir", run, "--resume", flag, value, "--max-updates", "10")

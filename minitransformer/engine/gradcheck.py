@@ -352,8 +352,11 @@ def _generators(module, inputs):
     """(generator, state) pairs to reset before each evaluation, so dropout repeats."""
     found = []
     if module is not None:
-        for m in module.modules():  # (whatever the attribute's name)
-            for g in vars(m).values():
-                if isinstance(g, backend.Generator) and all(g is not f for f, _ in found):
-                    found.append((g, g.get_state()))
+        for m in module.modules():  # (whatever the attribute's name, also in containers)
+            for v in [getattr(m, "rng", None), *vars(m).values()]:
+                items = v.values() if isinstance(v, dict) else \
+                    v if isinstance(v, (list, tuple)) else [v]
+                for g in items:
+                    if isinstance(g, backend.Generator) and all(g is not f for f, _ in found):
+                        found.append((g, g.get_state()))
     return found

@@ -12,7 +12,11 @@ def atomic_write(path, write):
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
     try:
-        os.fchmod(fd, 0o666 & ~umask())
+        try:
+            os.fchmod(fd, 0o666 & ~umask())
+        except OSError as exc:  # a file system without permissions (vfat, some mounts)
+            if exc.errno not in (errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

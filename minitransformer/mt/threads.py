@@ -40,8 +40,10 @@ def one_blas_thread():
     server, would each set and restore the limit, and the last to restore could put back the
     other's 1, leaving the process at one BLAS thread. The thread that sets the limit also
     restores it, in a ``with`` (threadpoolctl lets one thread at a time control OpenBLAS's
-    threads, until it leaves its last ``with``). Each such search uses every core already,
-    so running them in turn costs little."""
+    threads, until it leaves its last ``with``; while another thread of the process holds
+    such a limit, this one is not applied, and the search's threads run with the BLAS's
+    threads as they are: slower, the same results). Each such search uses every core
+    already, so running them in turn costs little."""
     with _one_at_a_time, blas().limit(limits=1):
         yield
 

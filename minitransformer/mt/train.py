@@ -112,7 +112,7 @@ class Trainer:
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
         fill in those this command line does not give). Nothing in it is overwritten.
         Rank 0 holds the directory's lock for the life of the process (RunDir.lock)."""
-        if self.args.resume and not os.path.isdir(self.rd.path):  # (not made: a typo)
+        if self.args.resume and not os.path.exists(self.rd.path):  # (not made: a typo)
             raise SystemExit(f"error: --resume: --run-dir {self.rd.path} does not exist; give "
                              "the directory of the run to continue")
         os.makedirs(self.rd.path, exist_ok=True)
@@ -333,8 +333,8 @@ class Trainer:
                                     f"directory from {os.getcwd()}; give --data with the "
                                     "corpus's path")
                 raise DataError(f"--data {a.data}: no such directory")
-            if not a.resume:  # (saved in config.json: --resume finds it from anywhere)
-                a.data = os.path.abspath(a.data)
+            if not a.resume or "data" in a.explicit:  # (saved in config.json, absolute:
+                a.data = os.path.abspath(a.data)       # --resume finds it from anywhere)
             if not (a.src_lang and a.tgt_lang):
                 raise DataError("--data needs --src-lang and --tgt-lang (the file suffixes, "
                                 "e.g. en and de for train.en / train.de)")
@@ -348,15 +348,15 @@ class Trainer:
 
     def _check_splits(self):
         """The validation and test splits are used when both their files exist. One file
-        without the other, or a split named on this command line whose files are missing,
-        is refused before any work; a default name with neither file means no validation (or
-        no test), said in the log. The test files are read now (``self.test_set``), so that
-        a mistake in them stops the run before training, not after it."""
+        without the other, a split named on this command line whose files are missing, files
+        of different lengths or without text are refused before any work; a default name
+        with neither file means no validation (or no test), said in the log. The test files
+        are kept (``self.test_set``: scored at the end, every line)."""
         a = self.args
         self.test_set = None
         for flag, split, what in (("--valid-split", a.valid_split, "validation"),
                                   ("--test-split", a.test_split, "test")):
-            if not split or split == a.train_split:
+            if not split:
                 continue
             paths = self.files[split]
             found = [os.path.exists(p) for p in paths]
@@ -370,12 +370,17 @@ class Trainer:
                 self._log_early(f"no {what} set ({paths[0]} and {paths[1]} not found): "
                                 + ("no validation and no checkpoint_best.npz"
                                    if what == "validation" else "no test score at the end"))
-            elif what == "test":
+            elif what == "validation":
+                read_parallel(*paths)  # (aligned, with a pair: else a DataError naming them)
+            else:
                 src, ref = read_lines(paths[0]), read_lines(paths[1])
                 if len(src) != len(ref):
                     raise DataError(f"{paths[0]} has {len(src)} lines but {paths[1]} has "
                                     f"{len(ref)}; the files must be aligned line by line "
                                     "(line i of one translates line i of the other)")
+                if not src:
+                    raise DataError(f"{flag} {split}: {paths[0]} and {paths[1]} have no lines; "
+                                    f"give a split with text, or {flag} '' for no test")
                 self.test_set = (src, ref)
 
     def _log_early(self, text):
