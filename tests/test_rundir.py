@@ -119,3 +119,16 @@ def test_files_written_atomically_get_the_permissions_of_open(tmp_path, mask):
     modes = {name: os.stat(tmp_path / name).st_mode & 0o777
              for name in ("config.json", "plain.txt")}
     assert modes == {"config.json": 0o666 & ~mask, "plain.txt": 0o666 & ~mask}, modes
+
+
+def test_a_file_system_that_refuses_chmod_still_gets_the_file(tmp_path, monkeypatch):
+    # vfat and some mounts refuse chmod: the file is written all the same (mkstemp's mode)
+    import errno
+    from minitransformer.mt import fileio
+
+    def refuse(fd, mode):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(fileio.os, "fchmod", refuse)
+    fileio.atomic_write_text(str(tmp_path / "config.json"), "{}\n")
+    assert (tmp_path / "config.json").read_text() == "{}\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary left
