@@ -449,6 +449,20 @@ def test_a_new_run_sets_aside_what_a_run_that_never_saved_left(tmp_path):
     assert updates == sorted(updates)  # one run's records
 
 
+def test_a_new_run_without_data_generates_its_own_corpus_again(tmp_path):
+    # the generated corpus (RUN_DIR/data) of a run that never saved is set aside too, so
+    # that --synthetic-pairs of the new run is what it trains on
+    run = str(tmp_path / "run")
+    flags = [*SMALL, "--run-dir", run, "--max-updates", "2", "--valid-every", "2"]
+    clean_failure(train(*flags, "--lr-factor", "1e30", "--max-bad-updates", "2"), 3,
+                  "no checkpoint was written")
+    proc = train(*[a if a != "600" else "700" for a in flags])  # --synthetic-pairs 700
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train: 700 pairs" in proc.stdout, proc.stdout[-2000:]
+    aside = [n for n in os.listdir(run) if n.startswith("unsaved-")]
+    assert len(aside) == 1 and "data" in os.listdir(os.path.join(run, aside[0]))
+
+
 @pytest.mark.parametrize("case", ["named-split-missing", "one-file-missing",
                                   "valid-misaligned", "test-misaligned", "test-empty"])
 def test_a_split_that_cannot_be_used_stops_the_run_before_any_work(tmp_path, case):

@@ -266,8 +266,8 @@ def option_names():
 
 # ---- after parsing: resume, defaults, checks ------------------------------------------------
 RESUME_FIXED = MODEL_FLAGS + ["preset", "vocab_size", "spm_type", "data", "train_split",
-                              "src_lang", "tgt_lang", "seed", "subword_alpha",
-                              "subword_nbest"]  # a resumed run cannot change
+                              "synthetic_pairs", "src_lang", "tgt_lang", "seed",
+                              "subword_alpha", "subword_nbest"]  # a resumed run cannot change
 
 
 def restore_for_resume(args, saved, run_dir):

@@ -123,15 +123,20 @@ class RunDir:
             atomic_write_text(self.metrics, "".join(line.rstrip("\n") + "\n" for line in keep))
         return len(lines) - len(keep)
 
-    def set_aside_unsaved(self):
+    def set_aside_unsaved(self, corpus=False):
         """A new run starting here (no checkpoint_last.npz): move what an earlier run that
         stopped before its first checkpoint left (its config, vocabulary, log, periodic
-        checkpoints, hypotheses) into ``unsaved-<UTC time>/``, so that the new run neither
-        reuses a vocabulary made with other flags nor appends to another run's log.
+        checkpoints, hypotheses, generated corpus) into ``unsaved-<UTC time>/``, so that the
+        new run neither reuses a vocabulary or corpus made with other flags nor appends to
+        another run's log. The generated corpus (``data/``) goes with them only with
+        ``corpus`` (a run without --data, which generates its own) and when there are such
+        files: a data/ alone may be a corpus put there for the run.
         -> (that directory, the names moved), or None when there was nothing."""
         names = sorted(n for n in os.listdir(self.path) if UNSAVED_RUN_FILE.fullmatch(n))
         if not names:
             return None
+        if corpus and os.path.isdir(self.data):
+            names.append("data")
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         aside, n = self.file(f"unsaved-{stamp}"), 1
         while os.path.exists(aside):

@@ -135,7 +135,7 @@ class Trainer:
                              "(checkpoint_last.npz); pass --resume to continue it or choose "
                              "another --run-dir (nothing was overwritten)")
         elif self.main:
-            moved = self.rd.set_aside_unsaved()
+            moved = self.rd.set_aside_unsaved(corpus=self.args.data is None)
             if moved:
                 self._log_early(f"{self.rd.path} held what a run that stopped before its "
                                 f"first checkpoint left ({', '.join(moved[1])}): moved to "
@@ -645,7 +645,8 @@ class Trainer:
         elif ((a.save_every and self.update % a.save_every == 0)
               or (self.plan is not None and self.plan.saves_at(self.update))):
             self.save(self.rd.periodic(self.update), self.rd.last)
-            self.rd.prune(a.keep_last)
+            if self.main:  # (rank 0 writes the checkpoints and removes the old ones)
+                self.rd.prune(a.keep_last)
             done = "save"
         else:
             return
