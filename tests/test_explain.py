@@ -129,6 +129,29 @@ def test_a_view_counts_the_array_that_owns_its_memory_once():
     assert "saved for backward: 32 B (32 bytes in 1 distinct array," in text
 
 
+class Pair(Function):
+    """y = 3 x, keeping its arrays in a tuple (to test the accounting); dx = 3 dy."""
+    options = {}
+
+    def forward(self, x):
+        self.saved = (x, np.full_like(x, 3.0))
+        return x * 3.0
+
+    def backward(self, dy):
+        return dy * self.saved[1]
+
+
+def test_arrays_saved_in_a_tuple_are_counted_and_released():
+    w = Tensor(np.ones((10, 10), np.float32), requires_grad=True, name="w")
+    out = Pair.apply(w * 1.0).sum()
+    text = ex.explain(out)
+    assert "saved[0]" in text and "saved[1]" in text, text
+    node = out.node.inputs[0].node  # (the Pair node)
+    assert isinstance(node, Pair) and node.saved is not None
+    out.backward()
+    assert node.released and node.saved is None  # (the tuple went with its arrays)
+
+
 def test_gradient_formulas_come_from_the_docstrings():
     assert ex.gradient_formula(Mul) == "da = dy * b, db = dy * a."
     assert ex.gradient_formula(Linear) == "dx = dy W^T;  dW = x^T dy;  db = sum_n dy."
@@ -322,3 +345,17 @@ def test_render_says_what_to_do_without_dot(tmp_path, monkeypatch, capsys):
     assert "apt-get install graphviz" in capsys.readouterr().err
     with pytest.raises(ValueError):
         ex.render("digraph tape {\n}\n", str(tmp_path / "g.txt"))
+
+
+def test_the_readmes_explain_example_runs_and_prints_what_it_shows(capsys):
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    code, shown = re.search(r"```python\n((?:(?!```).)*?"  # (one block: no ``` inside)
+                            r"print\(mt\.explain\(loss, root=model\)\)\n)```\n```\n(.*?)```",
+                            readme, re.S).groups()
+    exec(code, {})
+    printed = capsys.readouterr().out.splitlines()
+    for line in shown.splitlines():
+        assert line == "..." or line in printed, line

@@ -228,6 +228,7 @@ def test_too_many_pieces_is_400_with_a_message(served):
     (b'["a dog"]', '"text"'),
     (b'{"text": "   "}', "empty"),
     (b'{"text": "a \\ud800 b"}', "Unicode"),
+    (b"[" * 5000 + b"]" * 5000, "not JSON"),  # (nested past Python's recursion limit)
 ])
 def test_bad_body_is_400(served, body, words):
     server, sentences = served

@@ -122,9 +122,19 @@ def _is_parameter(t) -> bool:
 
 def saved_arrays(fn) -> list:
     """(attribute, array) pairs a node holds for backward: its attributes with ``nbytes``
-    (arrays, NumPy scalars), the ones ``Function.release`` drops."""
-    return [(k, v) for k, v in vars(fn).items()
-            if k != "inputs" and hasattr(v, "nbytes") and hasattr(v, "shape")]
+    (arrays, NumPy scalars), and the arrays in its tuple, list and dict attributes (named
+    ``attr[i]`` / ``attr[key]``): what ``Function.release`` drops."""
+    out = []
+    for k, v in vars(fn).items():
+        if k == "inputs":
+            continue
+        if hasattr(v, "nbytes") and hasattr(v, "shape"):
+            out.append((k, v))
+        elif isinstance(v, (tuple, list, dict)):
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            out += [(f"{k}[{i}]", x) for i, x in items
+                    if hasattr(x, "nbytes") and hasattr(x, "shape")]
+    return out
 
 
 def _owner(a):

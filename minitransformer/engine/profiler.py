@@ -17,6 +17,9 @@ timed call (``device_sync``), so a kernel's time is charged to the op that launc
 profiled step runs slower than a normal one (no overlap of Python and GPU), the shares are
 what it is for. Time outside the ops (the optimizer, the tape walk, data) is not in the
 rows; the table's caption compares their sum with the wall time inside the profile.
+A profile is for one thread's ops: ops that other threads run meanwhile are counted too, and
+their time is taken from whatever op this thread has open (so a search does not share its
+sentences out to threads while a profile is active: mt/search.py's ``search_threads``).
 
 FLOPs, a multiply-add counted as 2. n: elements of the output (of the input for Sum, Mean
 and SoftmaxCrossEntropy); N rows; B H T S K: batch, heads, queries, keys, head size; V

@@ -352,9 +352,17 @@ class Function:
         raise NotImplementedError
 
     def release(self):
-        """Drop the arrays saved for backward (called by the engine after backward)."""
+        """Drop the arrays saved for backward (called by the engine after backward): every
+        attribute that is an array, or a tuple, list or dict holding one."""
         keep = {"inputs", "tape_index", "released"}
         for k in list(vars(self)):
-            if k not in keep and hasattr(getattr(self, k), "shape"):
+            v = getattr(self, k)
+            if k not in keep and (hasattr(v, "shape") or _holds_array(v)):
                 setattr(self, k, None)
         self.released = True
+
+
+def _holds_array(v):
+    """Whether ``v`` is a tuple, list or dict with an array among its items (one level)."""
+    items = v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else ()
+    return any(hasattr(x, "shape") and hasattr(x, "nbytes") for x in items)

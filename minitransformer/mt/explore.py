@@ -249,7 +249,7 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(400, f"the body ended after {len(body)} of its {n} bytes")
         try:
             data = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # (deeply nested)
             raise RequestError(400, f'the body is not JSON ({exc}); send {{"text": "a '
                                     'sentence"}') from None
         if not isinstance(data, dict) or not isinstance(data.get("text"), str):
