@@ -369,6 +369,10 @@ def test_average_last_exports_the_average(trained, tmp_path, capsys):
     assert "warning: --average-last 5" in err and "has 3 periodic checkpoint(s)" in err, err
     with open(os.path.join(more, export.INFO_FILE), encoding="utf-8") as f:
         assert json.load(f)["checkpoint"] == "average of 3 checkpoints"
+    # with --checkpoint as well: the average is what is used, and a warning says so
+    export.export_ctranslate2(run, tmp_path / "both", os.path.join(run, "checkpoint_last.npz"),
+                              average_last=3)
+    assert "is used instead of --checkpoint" in capsys.readouterr().err
     averaged, tok, what = load_model(run, average_last=3)
     last, _, _ = load_model(run)
     assert what == "average of 3 checkpoints"

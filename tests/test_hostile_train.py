@@ -541,3 +541,19 @@ def test_resume_from_another_directory_and_flags_that_change_the_data(tmp_path):
         proc = train("--run-dir", run, "--resume", flag, value, "--max-updates", "10")
         clean_failure(proc, 2, f"{flag} '{value}' differs from the run being resumed")
     assert digest(run) == before
+
+
+def test_a_float16_run_resumed_on_the_cpu_is_refused(run_copy):
+    # the run's saved precision, not only the one on the command line, is checked
+    with open(os.path.join(run_copy, "config.json")) as fh:
+        config = json.load(fh)
+    config["train"]["precision"] = "float16"  # (as a run trained on a GPU in float16 saves)
+    with open(os.path.join(run_copy, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    before = digest(run_copy)
+    proc = train("--run-dir", run_copy, "--resume", "--max-updates", "8", "--device", "cpu")
+    clean_failure(proc, 2, "--precision float16", "needs a GPU", "--precision float32")
+    assert digest(run_copy) == before
+    proc = train("--run-dir", run_copy, "--resume", "--max-updates", "8", "--device", "cpu",
+                 "--precision", "float32", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -195,6 +195,29 @@ def test_curves_errors_name_the_file(tmp_path, capsys):
     assert not (tmp_path / "c.png").exists()
 
 
+def test_a_record_cut_short_at_the_end_is_skipped(tmp_path):
+    # a run killed while logging leaves its last line unfinished (no newline): the plot
+    # draws the rest, as --resume drops that line; a bad line inside still stops it
+    cut = tmp_path / "metrics.jsonl"
+    cut.write_text('{"update": 1, "loss": 2.0}\n{"update": 2, "lo', encoding="utf-8")
+    train, _ = plots.read_metrics(str(cut))
+    assert [r["update"] for r in train] == [1]
+
+
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "metrics.jsonl"
+    write_metrics(path, RECORDS)
+    (tmp_path / "a_file").write_text("x")
+    for output, code, words in ((tmp_path / "curves", 2, "give the name of a .png file"),
+                                (tmp_path, 2, "give the name of a .png file"),
+                                (tmp_path / "a_file" / "c.png", 1, "cannot write")):
+        assert plots.main(["--metrics", str(path), "--output", str(output)]) == code, output
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and len(err.splitlines()) == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "metrics.jsonl"]
+
+
 # ----------------------------------------------------------------------------- budgets
 
 def _budget_run(root, name, minutes, test_bleu=None, ensemble=None):

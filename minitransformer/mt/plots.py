@@ -55,15 +55,19 @@ def _records(path):
     if not os.path.isfile(path):
         raise PlotError(f"{path}: no such metrics file (train.py writes RUN_DIR/metrics.jsonl)")
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PlotError(f"{path}, line {number}: not JSON ({exc.msg})") from None
-            if isinstance(rec, dict) and "update" in rec:
-                yield rec
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines) and not line.endswith("\n"):
+                continue  # a record cut short by a kill (train.py --resume drops it too)
+            raise PlotError(f"{path}, line {number}: not JSON ({exc.msg}); the file is "
+                            "damaged: remove that line (or restore the file)") from None
+        if isinstance(rec, dict) and "update" in rec:
+            yield rec
 
 
 def read_metrics(path):
@@ -312,6 +316,11 @@ def main(argv=None):
     p.add_argument("--output", help="PNG to write (default: curves.png next to metrics.jsonl; "
                                     "with --runs, budgets.png here)")
     args = p.parse_args(argv)
+    if args.output is not None and (not args.output.lower().endswith(".png")
+                                    or os.path.isdir(args.output)):
+        print(f"error: --output {args.output}: give the name of a .png file to write",
+              file=sys.stderr)
+        return 2
     try:
         if args.runs:
             out = args.output or "budgets.png"
@@ -324,6 +333,10 @@ def main(argv=None):
     except PlotError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # (the output's directory cannot be made, or the file written)
+        from .fileio import describe_os_error
+        print(f"error: cannot write {out}: {describe_os_error(exc)}", file=sys.stderr)
+        return 1
     print(f"wrote {out}")
     return 0
 

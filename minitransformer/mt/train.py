@@ -80,6 +80,11 @@ class Trainer:
     def _set_up(self):
         args = self.args
         self._open_run_dir()
+        if args.resume and args.precision == "float16" and self.device not in FLOAT16_DEVICES:
+            raise SystemExit(f"error: --resume: the run trains with --precision float16 (in "
+                             f"{self.rd.config}), which needs a GPU; this run's device is "
+                             f"{self.device}: resume with --device cuda, or with --precision "
+                             "float32")
         fill_defaults(args)
         self.sizing = sizes_itself(args)
         if self.sizing and "max_tokens" not in args.explicit:

@@ -166,6 +166,9 @@ def _check_one_run_dir(path, flag, args):
         if found < args.average_last:
             say(f"warning: --average-last {args.average_last}: {path} has {found} periodic "
                 f"checkpoint(s) (checkpoint_<update>.npz); averaging those {found}")
+        if args.checkpoint and flag == "--run-dir":
+            say(f"warning: --average-last {args.average_last} is used instead of "
+                f"--checkpoint {' '.join(args.checkpoint)}; give one of the two")
     elif args.checkpoint and flag == "--run-dir":
         for c in args.checkpoint:
             if not os.path.exists(c):
