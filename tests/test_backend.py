@@ -297,3 +297,26 @@ def test_transposed_is_a_contiguous_copy_of_the_transpose(shape, dtype):
     t = backend.transposed(a)
     assert t.flags.c_contiguous and t.dtype == a.dtype and not np.shares_memory(t, a)
     np.testing.assert_array_equal(t, a.T)
+
+
+def test_a_switch_with_a_value_it_does_not_take_is_named_and_refused():
+    read = settings.read
+    good = read({"MINITRANSFORMER_FUSED": "0", "MINITRANSFORMER_FLAT_ADAM": "1",
+                 "MINITRANSFORMER_MALLOC": "0", "MINITRANSFORMER_DEVICE": "cuda"})
+    assert (good.fused, good.flat_adam, good.malloc, good.device, good.problems) == \
+        (False, True, False, "cuda", [])
+    bad = read({"MINITRANSFORMER_FUSED": "maybe", "MINITRANSFORMER_DEVICE": "tpu"})
+    assert (bad.fused, bad.device) == (True, "cpu")  # (the defaults stand)
+    assert len(bad.problems) == 2
+    assert "MINITRANSFORMER_FUSED='maybe' is not one of 1, 0" in bad.problems[1]
+    assert "MINITRANSFORMER_DEVICE='tpu' is not one of cpu, cuda" in bad.problems[0]
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for script in ("train.py", "translate.py"):
+        proc = subprocess.run([sys.executable, os.path.join(root, script), "--help"],
+                              env={**os.environ, "MINITRANSFORMER_FUSED": "maybe"},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stdout == "", (script, proc.stderr)
+        assert proc.stderr == "error: MINITRANSFORMER_FUSED='maybe' is not one of 1, 0 (or " \
+            "unset); set one of those, or unset it\n", proc.stderr

@@ -438,6 +438,21 @@ def test_doctor_reports_each_piece_and_a_fix_for_what_is_missing(capsys):
             assert "fix:" in following, out
 
 
+def test_doctor_reports_a_broken_mpi4py_and_a_bad_switch(tmp_path):
+    # an mpi4py that is found but fails to import (its MPI library gone) is one "broken" line
+    # with a fix, not a traceback; a MINITRANSFORMER_* switch with a bad value is named
+    shadow = tmp_path / "mpi4py"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text('raise ImportError("libmpi.so.40: cannot open")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT]),
+           "MINITRANSFORMER_FLAT_ADAM": "yes"}
+    proc = subprocess.run([sys.executable, "-m", "minitransformer.doctor"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "mpi4py cannot be imported (ImportError: libmpi.so.40: cannot open)" in proc.stdout
+    assert "MINITRANSFORMER_FLAT_ADAM='yes' is not one of 1, 0" in proc.stdout, proc.stdout
+
+
 @needs_mpi
 def test_two_ranks_stop_together_when_training_diverges(tmp_path):
     """The divergence guard under mpiexec: every rank skips the same bad updates (decided on

@@ -557,3 +557,26 @@ def test_a_float16_run_resumed_on_the_cpu_is_refused(run_copy):
     proc = train("--run-dir", run_copy, "--resume", "--max-updates", "8", "--device", "cpu",
                  "--precision", "float32", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_resume_on_a_changed_corpus_is_refused(tmp_path):
+    # the run's number of training pairs is saved with each checkpoint: a corpus cut since
+    # is refused on --resume (it went on, no longer an exact continuation)
+    data, run = corpus(tmp_path / "data"), str(tmp_path / "run")
+    proc = train(*SMALL, *data, "--run-dir", run, "--max-updates", "2", "--valid-every", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for side in ("src", "tgt"):
+        cut_last_line(tmp_path / "data" / f"train.{side}")
+    before = digest(run)
+    proc = train("--run-dir", run, "--resume", "--max-updates", "4")
+    clean_failure(proc, 2, "the run trained on 600 pairs", "now hold 599",
+                  "resume with the run's training data")
+    assert digest(run) == before
+
+
+def test_subword_nbest_is_checked_when_the_flags_are_read(tmp_path):
+    for nbest in ("1", "600"):
+        proc = train(*SMALL, "--run-dir", str(tmp_path / "run"), "--subword-alpha", "0.1",
+                     "--subword-nbest", nbest)
+        clean_failure(proc, 2, "--subword-nbest: must be an integer in [2, 512]")
+        assert not os.path.exists(tmp_path / "run")

@@ -163,3 +163,13 @@ def test_subword_sampling_errors(tok, corpus, tmp_path):
                                         model_type="bpe"))
     with pytest.raises(DataError, match=r"bpe.model.*--spm-type unigram"):
         SubwordSampler(bpe, lines_of(corpus["valid"][1])[:2], alpha=0.5)
+
+
+def test_long_lines_are_used_to_train_the_vocabulary(tmp_path):
+    # sentencepiece's trainer skipped lines over 4192 bytes without a word: five such lines
+    # alone were "no text to train on"
+    from minitransformer.mt.tokenizer import Tokenizer, train_sentencepiece
+    text = tmp_path / "long.txt"
+    text.write_text(("word " * 1400 + "\n") * 5, encoding="utf-8")
+    tok = Tokenizer(train_sentencepiece([str(text)], str(tmp_path / "spm"), 10))
+    assert tok.sp.unk_id() not in tok.encode(["word word"])[0]

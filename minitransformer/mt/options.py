@@ -80,7 +80,7 @@ def _data_flags(g):
                help="subword regularization: each epoch, each training sentence gets one of "
                     "its --subword-nbest segmentations x with probability ~ P(x)^alpha "
                     "(unigram models; 0 = off, always the best one; e.g. 0.5)")
-    add_number(g, "--subword-nbest", int, ">= 1", default=16,
+    add_number(g, "--subword-nbest", int, "[2, 512]", default=16,
                help="segmentations per sentence to sample from (with --subword-alpha)")
     add_number(g, "--max-tokens", int, ">= 1", default=4096, auto=True,
                help="padded source (and target) tokens per batch; auto: the largest that "

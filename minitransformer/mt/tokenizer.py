@@ -23,6 +23,9 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 QUIET = 2  # sentencepiece's minloglevel: 0 info, 1 warning, 2 error
 
 
+# sentencepiece's trainer skips longer lines (its default: 4192 bytes), silently here
+MAX_LINE_BYTES = 1 << 20
+
 def train_sentencepiece(input_files, model_prefix, vocab_size, model_type="unigram",
                         character_coverage=1.0, input_sentence_size=None, seed=0):
     """Train one joint model over all ``input_files``; returns the path ``{model_prefix}.model``.
@@ -51,7 +54,8 @@ def train_sentencepiece(input_files, model_prefix, vocab_size, model_type="unigr
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines), model_writer=model, vocab_size=int(vocab_size),
             model_type=model_type, character_coverage=character_coverage,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=QUIET)
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=QUIET,
+            max_sentence_length=MAX_LINE_BYTES)
     except RuntimeError as exc:
         if lines.error is not None:  # raised inside our iterator; sentencepiece wraps it
             raise lines.error from None

@@ -215,6 +215,7 @@ class Trainer:
             self._log_early(f"subword regularization: alpha {a.subword_alpha}, "
                             f"{a.subword_nbest}-best segmentations")
         self._train = (self.tok.encode(src), self.tok.encode(tgt), resegment, stats)
+        self.train_pairs = stats["pairs"]  # (saved with each checkpoint: --resume checks it)
 
     def _prepare_valid(self):
         """The validation set (when its files exist), without the pairs longer than the
@@ -406,7 +407,8 @@ class Trainer:
     def _meta(self):
         meta = {"update": self.update, "best_bleu": self.best_bleu,
                 "data": self.batches.state_dict(), "rng": self.model.rng.get_state(),
-                "spm_sha256": self.spm_sha, "train_time": self.train_time}
+                "spm_sha256": self.spm_sha, "train_time": self.train_time,
+                "train_pairs": self.train_pairs}
         if self.scaler is not None:
             meta["loss_scale"] = self.scaler.state_dict()
         if self.plan is not None:
@@ -437,6 +439,11 @@ class Trainer:
         self.optim.load_state_dict({**optim, **meta["optim"]})
         self.update, self.best_bleu = meta["update"], meta["best_bleu"]
         self.train_time = meta.get("train_time", 0.0)
+        if meta.get("train_pairs", self.train_pairs) != self.train_pairs:
+            raise DataError(f"{path}: the run trained on {meta['train_pairs']} pairs, but "
+                            f"{self.files[self.args.train_split][0]} and its target file now "
+                            f"hold {self.train_pairs}; resume with the run's training data, or "
+                            "start a new --run-dir")
         self.batches.load_state_dict(meta["data"])
         self.model.rng.set_state(meta["rng"])
         if self.scaler is not None and "loss_scale" in meta:
