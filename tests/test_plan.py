@@ -393,3 +393,33 @@ def test_a_capped_first_plan_still_fits_the_warmup():
     for step in range(p.warmup, 601, 5):
         assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, 240, 600, factor),
                                            rel=1e-12)
+
+
+def test_a_budget_changed_on_resume_is_planned_for_at_once(tmp_path, capsys):
+    # stopped at update 45, resumed with a shorter --max-time: re-planned at the first
+    # update after the resume (not at the plan's next check, past which a shorter budget
+    # would end the run unannealed), and the run ends with the rate at 0
+    split = str(tmp_path / "split")
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(split, FakeClock(stop_at=45), mp) == 128 + signal.SIGTERM
+    plans_before = len([r for r in records(split) if "plan_updates" in r])
+    with pytest.MonkeyPatch.context() as mp:
+        FakeClock().install(mp)
+        assert train_cli.main(SMALL + ["--run-dir", split, "--max-time", "1.0",
+                                       "--resume"]) == 0
+    plans = [r for r in records(split) if "plan_updates" in r][plans_before:]
+    assert plans and plans[0]["update"] <= 46, plans
+    lrs = {r["update"]: r["lr"] for r in records(split) if "lr" in r}
+    final = max(lrs)
+    assert lrs[final] == 0.0 and plans[-1]["plan_updates"] == final
+
+
+def test_warmup_or_lr_factor_given_anew_to_a_planned_run_is_refused(tmp_path, capsys):
+    split = str(tmp_path / "split")
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(split, FakeClock(stop_at=45), mp) == 128 + signal.SIGTERM
+    for flag, value in (("--warmup", "7"), ("--lr-factor", "0.5")):
+        with pytest.raises(SystemExit, match=rf"{flag} .* on --resume: this run follows a "
+                                             r"plan to its --max-time"):
+            train_cli.main(SMALL + ["--run-dir", split, "--max-time", "1.5", "--resume",
+                                    flag, value])

@@ -450,8 +450,24 @@ class Trainer:
             self.scaler.load_state_dict(meta["loss_scale"])
         if self.plan is not None and "plan" in meta:
             self.plan.load_state_dict(meta["plan"])
+            self._resume_plan()
         elif self.plan is not None:  # (a run from before plans: planned from here on, its
             self.plan.warmup_share = None  # warm-up as it was)
+
+    def _resume_plan(self):
+        """A planned run resumed: its warm-up and peak are the plan's (--warmup and
+        --lr-factor given anew are refused, not silently unused), and a --max-time given
+        anew is planned for at the next update, not at the plan's next check."""
+        a, saved = self.args, self._saved["train"]
+        for name in ("warmup", "lr_factor"):
+            if name in a.explicit and saved.get(name, getattr(a, name)) != getattr(a, name):
+                flag = "--" + name.replace("_", "-")
+                raise SystemExit(f"error: {flag} {getattr(a, name)} on --resume: this run "
+                                 f"follows a plan to its --max-time, which keeps the warm-up "
+                                 f"and peak it was planned with ({flag} {saved[name]}); drop "
+                                 "the flag, or start a new --run-dir")
+        if saved.get("max_time") != a.max_time and self.plan.next_check is not None:
+            self.plan.next_check = self.update  # (a new budget: re-planned at once)
 
     # ---- training ------------------------------------------------------------------------
     def lr_at(self, update):
