@@ -80,7 +80,8 @@ def output_limits(model: Transformer, src: Any, max_len_a: int) -> np.ndarray:
 
 
 def _source(model, src):
-    """src as the model's id array (Transformer.ids), which must be (B, S) with S >= 1."""
+    """src as the model's id array (Transformer.ids: host ids are checked against the
+    vocabulary), which must be (B, S) with S >= 1; what shared_out, _greedy and _beam take."""
     src = model.ids(src)
     if src.ndim == 1 and not len(src):  # no sentences
         src = src.reshape(0, 1)
@@ -104,7 +105,6 @@ def _greedy(model, src, max_len_a):
     with no_grad():
         model.eval()
         xp, eos = model.xp(), model.cfg.eos_id
-        src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B = src.shape[0]
         limit = output_limits(model, src, max_len_a)
         alive = longest_first(limit)  # original sentence of each row
@@ -156,7 +156,6 @@ def _beam(model, src, beam, alpha, max_len_a, length_penalty, return_all):
     with no_grad():
         model.eval()
         xp = model.xp()
-        src = model.ids(src)  # (host ids are checked against the vocabulary first)
         B, k = src.shape[0], beam
         eos = model.cfg.eos_id
         limit = output_limits(model, src, max_len_a)
@@ -231,7 +230,6 @@ def shared_out(model: Transformer, src: Any, search) -> list:
     n = search_threads(model, len(src))
     if n <= 1:
         return search(src)
-    src = model.ids(src)
     pad = model.cfg.pad_id
     parts = []
     for w in range(n):
