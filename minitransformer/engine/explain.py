@@ -39,7 +39,7 @@ from typing import Any, Iterable, Optional, Union
 import numpy as np
 
 from .scope import module_paths, path_of
-from .tensor import Tensor, _reachable_nodes
+from .tensor import Tensor, _reachable_nodes, contained_arrays
 
 WIDTHS = {"module": 24, "inputs": 30, "saved": 22}  # the listing's longest columns, cut there
 FORMULA_WIDTH = 70  # characters of a gradient formula in the listing
@@ -130,10 +130,8 @@ def saved_arrays(fn) -> list:
             continue
         if hasattr(v, "nbytes") and hasattr(v, "shape"):
             out.append((k, v))
-        elif isinstance(v, (tuple, list, dict)):
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            out += [(f"{k}[{i}]", x) for i, x in items
-                    if hasattr(x, "nbytes") and hasattr(x, "shape")]
+        else:
+            out += [(f"{k}[{i}]", x) for i, x in contained_arrays(v)]
     return out
 
 

@@ -357,12 +357,14 @@ class Function:
         keep = {"inputs", "tape_index", "released"}
         for k in list(vars(self)):
             v = getattr(self, k)
-            if k not in keep and (hasattr(v, "shape") or _holds_array(v)):
+            if k not in keep and (hasattr(v, "shape") or contained_arrays(v)):
                 setattr(self, k, None)
         self.released = True
 
 
-def _holds_array(v):
-    """Whether ``v`` is a tuple, list or dict with an array among its items (one level)."""
-    items = v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else ()
-    return any(hasattr(x, "shape") and hasattr(x, "nbytes") for x in items)
+def contained_arrays(v):
+    """The arrays in ``v`` when it is a tuple, list or dict (one level): [(index or key,
+    array)]; [] for anything else. What release drops and explain counts in containers."""
+    items = v.items() if isinstance(v, dict) else \
+        enumerate(v) if isinstance(v, (tuple, list)) else ()
+    return [(i, x) for i, x in items if hasattr(x, "shape") and hasattr(x, "nbytes")]

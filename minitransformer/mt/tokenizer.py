@@ -26,6 +26,7 @@ QUIET = 2  # sentencepiece's minloglevel: 0 info, 1 warning, 2 error
 # sentencepiece's trainer skips longer lines (its default: 4192 bytes), silently here
 MAX_LINE_BYTES = 1 << 20
 
+
 def train_sentencepiece(input_files, model_prefix, vocab_size, model_type="unigram",
                         character_coverage=1.0, input_sentence_size=None, seed=0):
     """Train one joint model over all ``input_files``; returns the path ``{model_prefix}.model``.
