@@ -8,16 +8,12 @@ run's own checkpoints, nor an existing file without ``--force``.
 """
 import argparse
 import os
-import re
 import sys
 
 from . import checkpoint as ckpt
 from .fileio import describe_os_error
 from .ranges import add_number
-from .rundir import RunDir
-
-# the names of a run's own checkpoints: an average under one of them would be taken for it
-RUN_CHECKPOINT = re.compile(r"checkpoint_(last|best|\d+)\.npz")
+from .rundir import CHECKPOINT_NAME, RunDir
 
 
 class AverageError(Exception):
@@ -65,7 +61,7 @@ def average_run(run_dir, last, output, force=False):
 def _check_output(output, force):
     """Refuse an --output named like a run's own checkpoint, a directory, a path in a
     directory that does not exist, and (without --force) an existing file."""
-    if RUN_CHECKPOINT.fullmatch(os.path.basename(output)):
+    if CHECKPOINT_NAME.fullmatch(os.path.basename(output)):  # (it would be taken for one)
         raise AverageError(f"--output {output}: named like a run's own checkpoint, it would be "
                            "taken for one (an average has no optimizer state to resume from); "
                            "give another name, e.g. avg.npz")

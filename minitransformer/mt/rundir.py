@@ -205,8 +205,10 @@ class RunDir:
 
 
 NO_LOCKS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}  # flock not supported there
+# the names of a run's own checkpoints (the last, the best, the periodic ones)
+CHECKPOINT_NAME = re.compile(r"checkpoint_(last|best|\d+)\.npz")
 # what atomic_write leaves of an interrupted save of one of the run's files
-STALE_TEMPORARY = re.compile(r"\.tmp-.{8}(checkpoint_(last|best|\d+)\.npz|config\.json|"
+STALE_TEMPORARY = re.compile(rf"\.tmp-.{{8}}({CHECKPOINT_NAME.pattern}|config\.json|"
                              r"metrics\.jsonl|spm\.(model|vocab)|[^/]*\.hyp)")
 
 
