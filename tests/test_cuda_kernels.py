@@ -69,7 +69,7 @@ def test_row_kernels_compile_with_nvrtc(arch):
     names = ck.row_kernel_names()
     lowered = _compile(nvrtc, ck.ROW_KERNELS_SOURCE, names,
                        ck.ROW_KERNEL_OPTIONS + (f"-arch={arch}",))
-    assert len(names) == 12 and all(lowered)
+    assert len(names) == 15 and all(lowered)
 
 
 def elementwise_as_raw_kernel(in_params, out_params, operation, ctype):
@@ -276,6 +276,81 @@ class TestParity:
         loss = (lse - c_o * z_sum - (c_t - c_o) * z_t) * valid
         z[r, tc] -= z.dtype.type(c_t - c_o) * s
         return loss, s
+
+    # beam search's candidates
+    @staticmethod
+    def top_m_reference(z, m, skip):
+        """The m best columns outside ``skip`` (ties: the lower column first) and their
+        log-probabilities over the whole row, in float64 on the host."""
+        z64 = z.astype(np.float64)
+        keys = z64.copy()
+        keys[:, list(skip)] = -np.inf
+        best = np.argsort(-keys, axis=1, kind="stable")[:, :m]
+        zmax = z64.max(axis=1, keepdims=True)
+        lse = zmax + np.log(np.exp(z64 - zmax).sum(axis=1, keepdims=True))
+        return best, np.take_along_axis(z64, best, 1) - lse
+
+    @pytest.mark.parametrize("dtype", FLOATS)
+    @pytest.mark.parametrize("V, m", [(37, 1), (37, 8), (8000, 8), (8000, 16), (1000, 3)])
+    def test_top_m_log_softmax(self, cp, dtype, V, m, assert_close):
+        rng = _rng()
+        z = (rng.standard_normal((13, V)) * 3).astype(dtype)
+        z[4, 0] = 50.0  # padding the largest: never picked, but it dominates the normaliser
+        z[5, 2] = 50.0  # (BOS likewise)
+        z[6, :] = -np.inf
+        z[6, 5:5 + m] = rng.standard_normal(m)  # just m finite candidates
+        z[7, 1:] = -np.inf
+        z[7, :2 + m] = 1.5  # exact ties: the lower columns first
+        want_best, want_lp = self.top_m_reference(z, m, (0, 2))
+        zc = cp.asarray(z)
+        best, lp = ck.top_m_log_softmax(zc, m, (0, 2))
+        assert best.dtype == np.int64 and lp.dtype == dtype and best.shape == (13, m)
+        np.testing.assert_array_equal(backend.to_numpy(zc), z)  # read, not changed
+        np.testing.assert_array_equal(backend.to_numpy(best), want_best)
+        lp = backend.to_numpy(lp)
+        finite = np.isfinite(want_lp)  # row 7's -inf columns past its ties stay -inf
+        np.testing.assert_array_equal(np.isfinite(lp), finite)
+        assert_close(lp[finite], want_lp[finite], RTOL[dtype] * 10, ATOL[dtype] * 10,
+                     "log-probabilities")
+
+    def test_top_m_log_softmax_float16(self, cp, assert_close):
+        rng = _rng()
+        z = (rng.standard_normal((9, 1000)) * 3).astype(np.float16)
+        best16, lp16 = ck.top_m_log_softmax(cp.asarray(z), 8, (0, 2))
+        best32, lp32 = ck.top_m_log_softmax(cp.asarray(z, dtype=np.float32), 8, (0, 2))
+        assert lp16.dtype == np.float32  # the same float16 numbers, computed in float32
+        np.testing.assert_array_equal(backend.to_numpy(best16), backend.to_numpy(best32))
+        assert_close(lp16, lp32, 1e-6, 1e-6, "log-probabilities of float16 scores")
+
+    @pytest.mark.parametrize("dtype", FLOATS)
+    def test_top_m_log_softmax_matches_the_primitives(self, cp, dtype, monkeypatch,
+                                                      assert_close):
+        """The same candidates and log-probabilities as beam search's route without it
+        (selection.top_m then log_softmax_at, on the same device, fused kernels off)."""
+        from minitransformer.mt.selection import log_softmax_at, top_m
+        from minitransformer.settings import SETTINGS
+        rng = _rng()
+        z = (rng.standard_normal((40, 8000)) * 3).astype(dtype)
+        monkeypatch.setattr(SETTINGS, "fused", False)
+        zz = cp.array(z)
+        zz[:, [0, 2]] = -np.inf  # as search._forbid, for the selection only
+        cols = top_m(cp, zz, 8)
+        zz[:, [0, 2]] = cp.asarray(z[:, [0, 2]])
+        want_lp = backend.to_numpy(log_softmax_at(cp, zz, cols))
+        want = np.sort(backend.to_numpy(cols), axis=1)
+        monkeypatch.setattr(SETTINGS, "fused", True)
+        best, lp = ck.top_m_log_softmax(cp.asarray(z), 8, (0, 2))
+        got_best, got_lp, cols = (backend.to_numpy(a) for a in (best, lp, cols))
+        got_order, want_order = np.argsort(got_best, axis=1), np.argsort(cols, axis=1)
+        np.testing.assert_array_equal(np.take_along_axis(got_best, got_order, 1), want)
+        assert_close(np.take_along_axis(got_lp, got_order, 1),
+                     np.take_along_axis(want_lp, want_order, 1),
+                     RTOL[dtype] * 10, ATOL[dtype] * 10, "log-probabilities")
+
+    @pytest.mark.parametrize("m, skip", [(0, (0, 2)), (17, (0, 2)), (9, (0, 2)), (10, (0,))])
+    def test_top_m_log_softmax_refuses_what_it_cannot_pick(self, cp, m, skip):
+        with pytest.raises(ValueError, match="top_m_log_softmax: m="):
+            ck.top_m_log_softmax(cp.zeros((2, 10), dtype=np.float32), m, skip)
 
     @pytest.mark.parametrize("dtype", FLOATS)
     @pytest.mark.parametrize("V", [37, 8000])

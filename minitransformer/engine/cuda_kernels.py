@@ -9,6 +9,7 @@ order and contracted multiply-adds.
     masked_softmax_                             attention.py (bias, softmax, masked rows)
     dropout_residual                            ops.py Dropout, then the residual add
     smoothed_ce_chunk                           linear_cross_entropy.py, one chunk of rows
+    top_m_log_softmax                           mt/selection.py top_m + log_softmax_at
     adam_update_                                optim/adam.py, one parameter array
 
 Two kinds of kernel:
@@ -30,7 +31,7 @@ from .. import backend
 from ..settings import SETTINGS
 from .cuda_source import (  # noqa: F401  (the tests read the source through this module)
     ELEMENTWISE_PREAMBLE, ELEMENTWISE_SPECS, MAX_THREADS, ROW_KERNEL_OPTIONS, ROW_KERNELS,
-    ROW_KERNELS_SOURCE, STORAGE_TYPES, row_kernel_names)
+    ROW_KERNELS_SOURCE, STORAGE_TYPES, TOP_M_MAX, row_kernel_names)
 
 _kernels = {}  # name -> compiled RawModule / ElementwiseKernel, built on first use
 
@@ -227,6 +228,39 @@ def smoothed_ce_chunk(z, t, valid, c_t, c_o, want_grad, z_sum=None):
             (z, t, valid, z_sum, row_loss, s, np.int32(V), np.float64(c_o),
              np.float64(c_t - c_o), np.int32(has_z_sum), np.int32(bool(want_grad))))
     return row_loss, s
+
+
+# ---- beam search's candidates ------------------------------------------------------------------
+def top_m_log_softmax(z, m, skip=()):
+    """The m best columns of each row of scores z (R, V) and their log-probabilities, as
+    mt/selection.py's ``top_m`` then ``log_softmax_at`` (what beam search's candidate
+    selection runs on NumPy):
+
+        best[r] = the m largest z[r, j], j not in ``skip``, best first (ties: lower j first),
+        lp[r, i] = z[r, best[r, i]] - max_j z[r, j] - log sum_j exp(z[r, j] - max_j z[r, j])
+
+    Every column, ``skip``'s too, counts in the max and the sum. ``skip``: up to two column
+    indices (padding and BOS) that are never picked. z is read, not changed (top_m_log_softmax
+    writes out none of the V - m other log-probabilities, and needs no sort: CuPy's
+    argpartition sorts each whole row). m <= TOP_M_MAX, and each row has at least m columns
+    outside ``skip``. Returns (best int64 (R, m), lp (R, m) in float32, float64 for float64
+    z). One block per row; float16 computes in float32.
+    """
+    cp = _cupy()
+    if not z.flags.c_contiguous:
+        raise ValueError("top_m_log_softmax needs C-contiguous scores")
+    R, V = z.shape
+    skip = tuple(int(j) for j in skip) + (-1,) * (2 - len(skip))
+    if not 1 <= m <= TOP_M_MAX or m > V - len({j for j in skip if 0 <= j < V}):
+        raise ValueError(f"top_m_log_softmax: m={m} must be in [1, {TOP_M_MAX}] and leave "
+                         f"m columns of {V} outside {skip}")
+    acc = np.float64 if z.dtype == np.float64 else np.float32
+    best, lp = cp.empty((R, m), dtype=np.int64), cp.empty((R, m), dtype=acc)
+    if R:
+        _row_kernel("top_m_log_softmax", z.dtype)(
+            (R,), (_threads(V),),
+            (z, best, lp, np.int32(V), np.int32(m), np.int64(skip[0]), np.int64(skip[1])))
+    return best, lp
 
 
 # ---- Adam --------------------------------------------------------------------------------------

@@ -216,16 +216,95 @@ __global__ void smoothed_ce_chunk(T* z, const long long* t, const bool* valid,
         if (want_grad) row[tr] = C::store(C::load(row[tr]) - A(c_d) * s);
     }
 }
+// ---- beam search's candidates of one row of scores: one block per row of V ----
+// m = max z, s = sum exp(z - m) over every column; then the n best columns other than skip0
+// and skip1 (padding and BOS: they count in the normaliser, but are never candidates), best
+// first, ties to the lower column: best[i], lp[i] = z[best[i]] - m - log s (their
+// log-probabilities). Each thread keeps the n best of its own columns (j = tid, tid +
+// blockDim, ... in increasing order) in a sorted list, in the key (value, lower column first)
+// with NaN as -inf; n rounds of a block-wide maximum over the heads of the lists then pick
+// the n best of the row, the thread whose head won moving to its next. n <= TOP_M_MAX, and
+// the row has at least n columns besides skip0 and skip1 (the caller checks both).
+#define TOP_M_MAX 16
+template <typename A> __device__ bool ahead(A v1, int j1, A v2, int j2) {  // (v1, j1) first?
+    if (j2 < 0) return j1 >= 0;  // j < 0: no candidate
+    if (j1 < 0) return false;
+    return v1 > v2 || (v1 == v2 && j1 < j2);
+}
+
+template <typename T>
+__global__ void top_m_log_softmax(const T* z, long long* best, typename Acc<T>::type* lp, int V,
+                                  int n, long long skip0, long long skip1) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    __shared__ int shared_j[32];
+    const long long r = blockIdx.x;
+    const T* row = z + r * V;
+    A mx = C::neg_inf();
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const A v = C::load(row[j]);
+        mx = v > mx ? v : mx;
+    }
+    mx = block_max(mx, shared, C::neg_inf());
+    A s = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) s += exp(C::load(row[j]) - mx);
+    const A log_s = log(block_sum(s, shared));
+    A tv[TOP_M_MAX];
+    int tj[TOP_M_MAX];
+    int have = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        if (j == skip0 || j == skip1) continue;
+        A v = C::load(row[j]);
+        if (v != v) v = C::neg_inf();  // NaN: last
+        if (have == n && !(v > tv[n - 1])) continue;  // (equal: the lower column stays)
+        int p = have < n ? have++ : n - 1;
+        for (; p > 0 && v > tv[p - 1]; --p) {
+            tv[p] = tv[p - 1];
+            tj[p] = tj[p - 1];
+        }
+        tv[p] = v;
+        tj[p] = j;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int head = 0;
+    for (int i = 0; i < n; ++i) {
+        A v = head < have ? tv[head] : C::neg_inf();
+        int j = head < have ? tj[head] : -1;
+        for (int o = 16; o > 0; o >>= 1) {
+            const A v2 = __shfl_xor_sync(0xffffffffu, v, o);
+            const int j2 = __shfl_xor_sync(0xffffffffu, j, o);
+            if (ahead(v2, j2, v, j)) { v = v2; j = j2; }
+        }
+        __syncthreads();  // the previous round may still be reading shared
+        if (lane == 0) { shared[warp] = v; shared_j[warp] = j; }
+        __syncthreads();
+        v = lane < (int)(blockDim.x >> 5) ? shared[lane] : C::neg_inf();
+        j = lane < (int)(blockDim.x >> 5) ? shared_j[lane] : -1;
+        for (int o = 16; o > 0; o >>= 1) {
+            const A v2 = __shfl_xor_sync(0xffffffffu, v, o);
+            const int j2 = __shfl_xor_sync(0xffffffffu, j, o);
+            if (ahead(v2, j2, v, j)) { v = v2; j = j2; }
+        }
+        if (head < have && tj[head] == j) ++head;  // this thread's candidate was taken
+        if (threadIdx.x == 0) {
+            best[r * n + i] = j;
+            lp[r * n + i] = C::load(row[j]) - mx - log_s;
+        }
+    }
+}
 """
 
-ROW_KERNELS = ("layer_norm_forward", "layer_norm_backward", "masked_softmax", "smoothed_ce_chunk")
+ROW_KERNELS = ("layer_norm_forward", "layer_norm_backward", "masked_softmax", "smoothed_ce_chunk",
+               "top_m_log_softmax")
+TOP_M_MAX = 16  # the most candidates top_m_log_softmax takes per row (its TOP_M_MAX)
 STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float",
                  np.dtype(np.float64): "double"}
 ROW_KERNEL_OPTIONS = ("--std=c++14",)
 
 
 def row_kernel_names():
-    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (12 of them)."""
+    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (15 of them)."""
     return [f"{k}<{c}>" for k in ROW_KERNELS for c in STORAGE_TYPES.values()]
 
 

@@ -18,7 +18,8 @@ few histories are copied. The search reads back only what it decides on: greedy,
 argmax of each row; beam search, the 2 * beam best tokens of each beam, normalised to
 log-probabilities only there. That work over the whole vocabulary (mt/selection.py)
 runs on chunks of rows that stay in cache, in as many threads as the BLAS has
-(``by_rows``), as the products do.
+(``by_rows``), as the products do; on a GPU it is one kernel
+(cuda_kernels.top_m_log_softmax).
 On a CPU with several BLAS threads a batch's sentences are first shared out to as many
 threads, each searching its share with one BLAS thread (``shared_out``): NumPy runs a step's
 elementwise work on one core, and a step's products are too small to gain much from several
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import get_array_module, to_numpy
-from ..engine import anomaly
+from ..engine import anomaly, cuda_kernels
 from ..engine import tensor as tensor_module
 from ..engine.tensor import no_grad
 from ..nn.transformer import Transformer
@@ -308,6 +309,9 @@ def _best_candidates(xp, logits, scores, slot, k, cfg):
     m = min(2 * k, V)
 
     def select(z):  # rows z (r, V) -> their m best tokens and log-probabilities
+        if cuda_kernels.use_for(xp) and m <= cuda_kernels.TOP_M_MAX and m <= V - 2:
+            # one kernel for the lines below (which take ~35 CuPy calls and two full sorts)
+            return cuda_kernels.top_m_log_softmax(z, m, (cfg.pad_id, cfg.bos_id))
         forbidden = z[:, [cfg.pad_id, cfg.bos_id]]  # (a copy)
         best, zmax = top_m(xp, _forbid(z, cfg), m, with_max=True)  # (r, m), any order
         z[:, [cfg.pad_id, cfg.bos_id]] = forbidden  # they still count in the normaliser
