@@ -376,7 +376,11 @@ def test_a_time_budget_plans_the_schedule_by_default():
     base = ["--data", "d", "--src-lang", "en", "--tgt-lang", "de"]
     for extra, want in ((["--max-time", "30"], "linear"),
                         (["--max-time", "30", "--lr-schedule", "inverse-sqrt"], "inverse-sqrt"),
-                        (["--max-time", "30", "--max-updates", "5000"], "inverse-sqrt"),
+                        # a run that sizes itself plans, --max-updates capping the plan ...
+                        (["--max-time", "30", "--max-updates", "5000"], "linear"),
+                        # ... one with its model given does not
+                        (["--max-time", "30", "--max-updates", "5000", "--preset", "tiny"],
+                         "inverse-sqrt"),
                         ([], "inverse-sqrt")):
         args = parse_args(base + extra)
         fill_defaults(args)
@@ -423,3 +427,64 @@ def test_warmup_or_lr_factor_given_anew_to_a_planned_run_is_refused(tmp_path, ca
                                              r"plan to its --max-time"):
             train_cli.main(SMALL + ["--run-dir", split, "--max-time", "1.5", "--resume",
                                     flag, value])
+
+
+def _checked(*argv):
+    from minitransformer.mt.options import check_options, fill_defaults, parse_args
+    args = parse_args(["--data", "d", "--src-lang", "en", "--tgt-lang", "de", *argv])
+    fill_defaults(args)
+    check_options(args)
+    return args
+
+
+def test_a_planned_run_capped_below_the_default_warmup_is_not_refused():
+    # the plan fits the warm-up not chosen to its N (at most 40% of it): the default 4000
+    # does not stand against --max-updates 1000
+    args = _checked("--max-time", "30", "--lr-schedule", "linear", "--max-updates", "1000",
+                    "--preset", "tiny")
+    assert args.warmup == 4000 and args.max_updates == 1000
+    _checked("--max-time", "30", "--max-updates", "1000")  # (sizes itself: planned too)
+    # a warm-up chosen, or no plan: the decay would start after its end, refused as before
+    for argv in (["--max-time", "30", "--lr-schedule", "linear", "--max-updates", "1000",
+                  "--warmup", "2000"],
+                 ["--lr-schedule", "linear", "--max-updates", "1000"]):
+        with pytest.raises(SystemExit, match="give --max-updates N with N > --warmup"):
+            _checked(*argv)
+
+
+def test_a_run_that_ends_inside_its_warmup_is_warned_about():
+    from minitransformer.mt.options import schedule_warnings
+    (line,) = schedule_warnings(_checked("--max-updates", "1000"))
+    assert line.startswith("warning: --max-updates 1000 ends the run inside the warm-up "
+                           "(--warmup 4000)") and "ends at 25% of its peak" in line
+    assert "--warmup 120" in line
+    assert schedule_warnings(_checked("--max-updates", "1000", "--warmup", "100")) == []
+    assert schedule_warnings(_checked("--max-updates", "5000")) == []
+    # sizing itself with a budget, the schedule is the plan's, its warm-up fitted: no warning
+    assert schedule_warnings(_checked("--max-time", "30", "--max-updates", "1000")) == []
+
+
+def test_a_chosen_warmup_that_does_not_fit_the_plan_is_warned_about():
+    chosen = plan.DeadlinePlan(budget=100.0, d_model=64, warmup=4000)
+    _, events = feed(chosen, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
+    (text, record), = events
+    assert chosen.total < 4000 and "warning: the warm-up (--warmup 4000) does not fit" in text
+    assert f"give --warmup {round(0.12 * chosen.total)}" in text
+    fitted = plan.DeadlinePlan(budget=100.0, d_model=64, warmup=4000, warmup_share=0.12)
+    _, events = feed(fitted, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
+    assert "warning" not in events[0][0] and fitted.warmup < fitted.total
+
+
+def test_a_finished_plan_is_not_extended_on_resume(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(run, FakeClock(), mp) == 0
+    before = open(os.path.join(run, "metrics.jsonl")).read()
+    for flag, value in (("--max-time", "3.0"), ("--max-updates", "500")):
+        with pytest.MonkeyPatch.context() as mp:
+            with pytest.raises(SystemExit, match=rf"{flag} .* on --resume: this run has "
+                                                 r"finished its plan \(\d+ updates"):
+                train(run, FakeClock(), mp, "--resume", flag, value)
+    assert open(os.path.join(run, "metrics.jsonl")).read() == before  # nothing appended
+    with pytest.MonkeyPatch.context() as mp:  # resumed as it was: validated and tested again
+        assert train(run, FakeClock(), mp, "--resume") == 0

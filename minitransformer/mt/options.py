@@ -138,8 +138,8 @@ def _optimiser_flags(g):
                         "line to 0 at --max-updates (for a fixed budget of updates) or, with "
                         "--max-time, at the number of updates the run plans to fit in it "
                         "(default: linear for a new run with --max-time and no --max-updates, "
-                        "its warm-up then 12%% of the plan unless --warmup is given; else "
-                        "inverse-sqrt)")
+                        "or one that sizes itself, its warm-up then 12%% of the plan unless "
+                        "--warmup is given; else inverse-sqrt)")
     add_number(g, "--warmup", int, ">= 1", default=None,
                help="warm-up updates (default 4000 as in the paper; 300 for the synthetic "
                     "corpus)")
@@ -324,9 +324,11 @@ def fill_defaults(args):
     if sizes_itself(args) and "lr_factor" not in args.explicit:
         from .autosize import LR_FACTOR
         args.lr_factor = LR_FACTOR
-    if (not args.resume and args.max_time > 0 and not args.max_updates
-            and "lr_schedule" not in args.explicit):
-        args.lr_schedule = "linear"  # a time budget: the decay planned to end with it
+    if (not args.resume and args.max_time > 0 and "lr_schedule" not in args.explicit
+            and (not args.max_updates or sizes_itself(args))):
+        # a time budget: the decay planned to end with it (--max-updates capping the plan
+        # in a run that sizes itself, whose learning rate is chosen for the plan's warm-up)
+        args.lr_schedule = "linear"
 
 
 def sizes_itself(args):
@@ -349,8 +351,10 @@ def check_options(args):
         raise SystemExit("error: --max-tokens auto chooses the batch size when a run starts; "
                          "a resumed run keeps the one it chose (in config.json): drop "
                          "--max-tokens, or give a number")
+    planned = plans_to_deadline(args)
+    # (a plan without --max-updates chooses its N; one with it fits a warm-up not chosen to N)
     if args.lr_schedule == "linear" and not args.max_updates > args.warmup and not (
-            plans_to_deadline(args) and not args.max_updates):
+            planned and (not args.max_updates or "warmup" not in args.explicit)):
         raise SystemExit("error: --lr-schedule linear decays to 0 at --max-updates; "
                          f"give --max-updates N with N > --warmup ({args.warmup}), or "
                          "--max-time M to plan the decay to end with the M minutes")
@@ -358,6 +362,17 @@ def check_options(args):
         raise SystemExit(f"error: --subword-alpha samples segmentations of a unigram model; "
                          f"this run's --spm-type is {args.spm_type}: add --spm-type unigram "
                          "(in a new --run-dir) or drop --subword-alpha")
+
+
+def schedule_warnings(args):
+    """Options that work but train badly, each with what to do instead -> lines to print."""
+    if args.lr_schedule == "inverse-sqrt" and 0 < args.max_updates <= args.warmup:
+        return [f"warning: --max-updates {args.max_updates} ends the run inside the warm-up "
+                f"(--warmup {args.warmup}): the learning rate rises all run and ends at "
+                f"{args.max_updates / args.warmup:.0%} of its peak; give --warmup "
+                f"{max(1, round(0.12 * args.max_updates))} (12% of the updates), or "
+                "--lr-schedule linear with --max-time M to plan the whole schedule"]
+    return []
 
 
 def run_options(args):

@@ -267,6 +267,12 @@ class DeadlinePlan:
                     f"{(self.budget - elapsed) / 60:.2f} of {minutes:g} min left)")
         if self.cap and self.total == self.cap:
             text += f"; capped by --max-updates {self.cap}"
+        if update < self.warmup >= self.total:  # (a chosen warm-up: a fitted one fits)
+            peak = noam_lr(self.warmup, self.d_model, self.warmup, self.factor)
+            text += (f"; warning: the warm-up (--warmup {self.warmup}) does not fit in the "
+                     f"plan: the rate falls from {self.lr(update + 1) / peak:.0%} of its peak "
+                     f"to 0; give --warmup {max(1, round(0.12 * self.total))} (12% of the "
+                     "plan), or leave it out to have it fitted")
         tail = tail_saves(self.total, self.average_last, self.save_every, self.valid_every)
         if tail:
             text += (f"; checkpoints for --average-last {self.average_last} also at updates "

@@ -29,7 +29,8 @@ from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
 from .log import Log, StopSignals
 from .options import (MODEL_FLAGS, PROFILE_WARMUP, check_options, fill_defaults, parse_args,
-                      plans_to_deadline, restore_for_resume, run_options, sizes_itself)
+                      plans_to_deadline, restore_for_resume, run_options, schedule_warnings,
+                      sizes_itself)
 from .plan import DeadlinePlan
 from .rundir import RunDir, RunDirBusy
 from .step import train_step
@@ -90,6 +91,8 @@ class Trainer:
         if self.sizing and "max_tokens" not in args.explicit:
             args.max_tokens = autosize.CPU_TOKENS if self.device == "cpu" else "auto"
         check_options(args)
+        for line in schedule_warnings(args):
+            self._log_early(line)
         self._prepare_data()
         self.cfg = self._model_config()
         self._prepare_valid()
@@ -466,6 +469,15 @@ class Trainer:
                                  f"follows a plan to its --max-time, which keeps the warm-up "
                                  f"and peak it was planned with ({flag} {saved[name]}); drop "
                                  "the flag, or start a new --run-dir")
+        longer = [f"--{k.replace('_', '-')} {getattr(a, k):g}" for k in ("max_time", "max_updates")
+                  if k in a.explicit and saved.get(k) is not None
+                  and (getattr(a, k) > saved[k] or (saved[k] and not getattr(a, k)))]
+        if longer and self.plan.done(self.update):
+            raise SystemExit(f"error: {' and '.join(longer)} on --resume: this run has finished "
+                             f"its plan ({self.plan.total} updates, the learning rate falling "
+                             "to 0 at the last), so there is no schedule left to extend: train "
+                             "longer in a new --run-dir, or resume without the flag to validate "
+                             "and test again")
         if saved.get("max_time") != a.max_time and self.plan.next_check is not None:
             self.plan.next_check = self.update  # (a new budget: re-planned at once)
 
