@@ -121,6 +121,27 @@ def test_measured_peak_is_positive_and_cached():
     assert first > 0 and measure_peak_gflops(np, np.float32, n=64) == first
 
 
+def test_the_peak_is_the_best_of_products_timed_for_long_enough(monkeypatch):
+    # a moment of other work must not make the denominator low: the products go on until
+    # they took min_seconds (then the best counts), not just ``repeats`` of them
+    from minitransformer.engine import profiler
+    monkeypatch.setattr(profiler, "_peaks", {})
+    times = iter([0.0, 1.0] + [2.0, 2.5] * 5 + [3.0, 3.01] + [4.0, 4.5] * 200)
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(times))
+    rate = measure_peak_gflops(np, np.float32, n=8, repeats=5, min_seconds=3.0)
+    assert rate == pytest.approx(2 * 8 ** 3 / 0.01 / 1e9)  # the quick 7th product counts
+
+
+def test_a_row_above_the_measured_peak_is_explained_in_the_caption():
+    model, b = tiny_model(), batch()
+    with profile(model, peak_gflops=1e-6) as prof:  # any real rate is above this
+        forward_backward(model, b)
+    assert "an MFU above 100%" in prof.table(by="op")
+    with profile(model, peak_gflops=1e9) as prof:
+        forward_backward(model, b)
+    assert "an MFU above 100%" not in prof.table(by="op")
+
+
 # ---- tables ---------------------------------------------------------------------------------
 def test_tables_group_by_op_and_by_module_path():
     model, b = tiny_model(), batch()

@@ -46,8 +46,9 @@ which is what bench/common.py's ``train_flops`` counts for a training step (test
     Reshape, Transpose, SplitHeads, MergeHeads, Cast, any other Function: 0 FLOPs, still timed
 
 GFLOP/s is a row's FLOPs over its time; MFU (model FLOPs utilisation) is that rate over the
-peak: by default ``measure_peak_gflops``, the best rate of an n x n x n product (n = 1024) of
-the model's dtype on the same device, measured once per (device, dtype). It is this
+peak: by default ``measure_peak_gflops``, the best rate of n x n x n products (n = 1024) of
+the model's dtype on the same device, timed for at least a quarter of a second, measured once
+per (device, dtype). It is this
 machine's GEMM rate as its BLAS / cuBLAS reaches it, not a datasheet's peak: 100% means "as
 fast as a large square product here"; small or thin products reach less.
 """
@@ -145,23 +146,30 @@ def _synchronizer(xp):
     return xp.cuda.Device().synchronize
 
 
-def measure_peak_gflops(xp: Any, dtype: Any, n: int = 1024, repeats: int = 5) -> float:
+def measure_peak_gflops(xp: Any, dtype: Any, n: int = 1024, repeats: int = 5,
+                        min_seconds: float = 0.25) -> float:
     """The best rate, in GFLOP/s, of an n x n x n product of ``dtype`` on ``xp``'s device
-    (numpy: the CPU; cupy: the current GPU): 2 n^3 FLOPs over the fastest of ``repeats``
-    timed products, after one untimed. Measured once per (device, dtype, n), then cached."""
+    (numpy: the CPU; cupy: the current GPU): 2 n^3 FLOPs over the fastest of the timed
+    products, after one untimed: at least ``repeats`` of them, and more until they took
+    ``min_seconds`` (at most 100), so that a moment when other work shares the machine does
+    not make the denominator low and a row's MFU above 100%. Measured once per (device,
+    dtype, n), then cached."""
     dtype = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype(np.float32)
     device = "cpu" if xp is np else f"cuda:{xp.cuda.Device().id}"
     key = (device, dtype.str, n)
     if key not in _peaks:
         rng = np.random.default_rng(0)
         a, b = (xp.asarray(rng.standard_normal((n, n)), dtype=dtype) for _ in range(2))
-        sync, best = _synchronizer(xp), math.inf
-        for i in range(repeats + 1):
+        sync, best, spent, timed = _synchronizer(xp), math.inf, 0.0, -1
+        while timed < repeats or (spent < min_seconds and timed < 100):
             sync()
             t0 = time.perf_counter()
             a @ b
             sync()
-            best = min(best, time.perf_counter() - t0) if i else best
+            seconds = time.perf_counter() - t0
+            if timed >= 0:  # (the first product: untimed)
+                best, spent = min(best, seconds), spent + seconds
+            timed += 1
         _peaks[key] = 2 * n ** 3 / best / 1e9
     return _peaks[key]
 
@@ -313,7 +321,8 @@ class Profiler:
         for stats in self.stats.values():
             everything.add(stats)
         width = max([len(by), 5] + [len(name) for name, _ in rows])
-        lines = [_caption(total, self.wall_seconds, peak, self._device),
+        above = any(s.seconds > 0 and s.flops / s.seconds / 1e9 > peak for _, s in rows)
+        lines = [_caption(total, self.wall_seconds, peak, self._device, above),
                  f"{by:<{width}}" + "".join(f"{c:>{w}}" for c, w in _COLUMNS)]
         lines += [_row(name, s, total, peak, width) for name, s in rows]
         lines.append(_row("total", everything, total, peak, width))
@@ -334,12 +343,17 @@ def _row(name, s, total, peak, width):
     return f"{name:<{width}}" + "".join(f"{c:>{w}}" for c, (_, w) in zip(cells, _COLUMNS))
 
 
-def _caption(total, wall, peak, device):
+def _caption(total, wall, peak, device, above=False):
     dtype = np.dtype(device[1]).name if device else "float32"
     outside = f" of {1e3 * wall:.1f} ms profiled (the rest: optimizer, engine, Python)" \
         if wall > 0 else ""
-    return (f"{1e3 * total:.1f} ms in ops{outside}; MFU against {peak:.0f} GFLOP/s, this "
+    text = (f"{1e3 * total:.1f} ms in ops{outside}; MFU against {peak:.0f} GFLOP/s, this "
             f"device's measured {dtype} GEMM rate")
+    if above:
+        text += ("\n(an MFU above 100%: that row ran faster than the measured product, so the "
+                 "machine was busier then, or ran the product on fewer threads; give "
+                 "peak_gflops to fix the denominator)")
+    return text
 
 
 def profile(root: Any = None, device_sync: bool = True,
