@@ -161,6 +161,17 @@ def test_translate_py_ensemble_refuses_another_vocabulary_or_a_missing_run(runs,
     assert code == 2 and "--plot-attention" in err and "--ensemble" in err, err
 
 
+def test_translate_py_ensemble_refuses_a_run_given_twice(runs, capsys):
+    base, src, _ = runs
+    for flags, first in (([str(base / "a") + "/"], f"--run-dir {base / 'a'}"),
+                         ([str(base / "b"), str(base / "x" / ".." / "b")],
+                          f"--ensemble {base / 'b'}")):
+        code = translate_cli.main(["--run-dir", str(base / "a"), "--input", src,
+                                   "--ensemble", *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and f"the same run as {first}; a model in an ensemble" in err, err
+
+
 def test_translate_py_record_appends_the_score_for_the_budget_plot(runs, tmp_path, capsys):
     """--record: the ensemble's BLEU becomes --run-dir's last test record, at the minutes of
     its longest-trained run; what the runs' metrics.jsonl held before stays as it was."""

@@ -140,8 +140,14 @@ def check_run_dir(args):
     --ensemble.)"""
     ensemble = getattr(args, "ensemble", None)
     _check_one_run_dir(args.run_dir, "--run-dir", args)
+    seen = {os.path.realpath(args.run_dir): f"--run-dir {args.run_dir}"}
     for path in ensemble or ():
         _check_one_run_dir(path, "--ensemble", args)
+        if os.path.realpath(path) in seen:
+            raise UsageError(f"--ensemble {path}: the same run as {seen[os.path.realpath(path)]}; "
+                             "a model in an ensemble with itself translates as it does alone, "
+                             "in twice the time: give each run once")
+        seen[os.path.realpath(path)] = f"--ensemble {path}"
     if ensemble and getattr(args, "plot_attention", None):
         raise UsageError("--plot-attention draws one model's attention: leave out --ensemble "
                          "(or --plot-attention)")
