@@ -574,6 +574,26 @@ def test_resume_on_a_changed_corpus_is_refused(tmp_path):
     assert digest(run) == before
 
 
+def test_resume_on_an_edited_corpus_of_as_many_pairs_is_refused(tmp_path):
+    # one target line edited, the count unchanged: the pairs' fingerprint, saved with each
+    # checkpoint, tells; the corpus put back, the run resumes
+    data, run = corpus(tmp_path / "data"), str(tmp_path / "run")
+    proc = train(*SMALL, *data, "--run-dir", run, "--max-updates", "2", "--valid-every", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = tmp_path / "data" / "train.tgt"
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    path.write_text("".join(lines[:5] + ["edited\n"] + lines[6:]), encoding="utf-8")
+    before = digest(run)
+    proc = train("--run-dir", run, "--resume", "--max-updates", "4")
+    clean_failure(proc, 2, "hold 600 pairs, as when the run started, but not the same text",
+                  "resume with the run's training data")
+    assert digest(run) == before
+    path.write_text(text, encoding="utf-8")
+    proc = train("--run-dir", run, "--resume", "--max-updates", "4", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_subword_nbest_is_checked_when_the_flags_are_read(tmp_path):
     for nbest in ("1", "600"):
         proc = train(*SMALL, "--run-dir", str(tmp_path / "run"), "--subword-alpha", "0.1",

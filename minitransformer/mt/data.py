@@ -8,6 +8,7 @@ pairs are sorted by length so that a batch wastes little padding, cut into batch
 Shape letters: B sentences in a batch, S source length (EOS included), T target length (BOS or
 EOS included).
 """
+import hashlib
 import os
 import stat
 import sys
@@ -104,6 +105,15 @@ def read_parallel(src_path, tgt_path):
                         f"text on both sides ({len(src_all)} lines, {skipped} with an empty "
                         "side); check the paths")
     return src_lines, tgt_lines, {"pairs": len(src_lines), "skipped_empty": skipped}
+
+
+def pairs_fingerprint(src_lines, tgt_lines):
+    """A short hash of the training pairs (their text, in order): a resumed run checks that it
+    reads the pairs it started with, which a count alone does not tell (an edited line)."""
+    h = hashlib.sha256("\n".join(src_lines).encode("utf-8"))
+    h.update(b"\0")
+    h.update("\n".join(tgt_lines).encode("utf-8"))
+    return h.hexdigest()[:16]
 
 
 def overlong_pairs(src_ids, tgt_ids, max_positions):

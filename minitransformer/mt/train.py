@@ -24,7 +24,8 @@ from ..nn.transformer import PRESETS, Transformer, TransformerConfig, count_para
 from ..optim import Adam, DynamicLossScaler, LossScaleCollapse, linear_decay_lr, noam_lr
 from . import checkpoint as ckpt
 from . import autosize, memfit
-from .data import Batches, DataError, collate, overlong_pairs, read_lines, read_parallel
+from .data import (Batches, DataError, collate, overlong_pairs, pairs_fingerprint, read_lines,
+                   read_parallel)
 from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
 from .log import Log, StopSignals
@@ -218,7 +219,8 @@ class Trainer:
             self._log_early(f"subword regularization: alpha {a.subword_alpha}, "
                             f"{a.subword_nbest}-best segmentations")
         self._train = (self.tok.encode(src), self.tok.encode(tgt), resegment, stats)
-        self.train_pairs = stats["pairs"]  # (saved with each checkpoint: --resume checks it)
+        # (saved with each checkpoint: --resume checks both)
+        self.train_pairs, self.train_fingerprint = stats["pairs"], pairs_fingerprint(src, tgt)
 
     def _prepare_valid(self):
         """The validation set (when its files exist), without the pairs longer than the
@@ -411,7 +413,7 @@ class Trainer:
         meta = {"update": self.update, "best_bleu": self.best_bleu,
                 "data": self.batches.state_dict(), "rng": self.model.rng.get_state(),
                 "spm_sha256": self.spm_sha, "train_time": self.train_time,
-                "train_pairs": self.train_pairs}
+                "train_pairs": self.train_pairs, "train_fingerprint": self.train_fingerprint}
         if self.scaler is not None:
             meta["loss_scale"] = self.scaler.state_dict()
         if self.plan is not None:
@@ -447,6 +449,11 @@ class Trainer:
                             f"{self.files[self.args.train_split][0]} and its target file now "
                             f"hold {self.train_pairs}; resume with the run's training data, or "
                             "start a new --run-dir")
+        if meta.get("train_fingerprint", self.train_fingerprint) != self.train_fingerprint:
+            raise DataError(f"{path}: {self.files[self.args.train_split][0]} and its target "
+                            f"file hold {self.train_pairs} pairs, as when the run started, but "
+                            "not the same text (a line was edited, added or removed since); "
+                            "resume with the run's training data, or start a new --run-dir")
         self.batches.load_state_dict(meta["data"])
         self.model.rng.set_state(meta["rng"])
         if self.scaler is not None and "loss_scale" in meta:
