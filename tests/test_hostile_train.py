@@ -313,9 +313,9 @@ def test_ctrl_c_while_training_sentencepiece(tmp_path):
     run = str(tmp_path / "run")
     code = (
         "import sys\n"
-        "from minitransformer.mt import train as t\n"
+        "from minitransformer.mt import corpus_setup, train as t\n"
         "def interrupted(*a, **k): raise KeyboardInterrupt\n"
-        "t.train_sentencepiece = interrupted\n"
+        "corpus_setup.train_sentencepiece = interrupted\n"
         f"sys.exit(t.main({SMALL + ['--run-dir', run]!r}))\n")
     proc = python(code)
     clean_failure(proc, 130, "interrupted while setting up the run", run)
