@@ -72,6 +72,8 @@ def served(run):
 def call(server, path, body=None, method=None, headers=None):
     """One request over urllib -> (status, decoded JSON or text, headers)."""
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    if headers is None and not isinstance(body, (bytes, type(None))):
+        headers = {"Content-Type": "application/json"}  # (as the page sends it)
     req = urllib.request.Request(server.url.rstrip("/") + path, data=data, method=method,
                                  headers=headers or {})
     try:
@@ -234,6 +236,24 @@ def test_bad_body_is_400(served, body, words):
     server, sentences = served
     status, out, _ = call(server, "/translate", body, headers={"Content-Type": "application/json"})
     assert status == 400 and words in out["error"]
+    still_serving(server, sentences)
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_is_415_and_not_translated(served, content_type, monkeypatch):
+    # what a page of another site can POST without the browser asking the server first
+    server, sentences = served
+    asked = []
+    monkeypatch.setattr(server.explorer, "translate", lambda text: asked.append(text))
+    body = json.dumps({"text": sentences[0]}).encode()
+    head = b"".join([b"POST /translate HTTP/1.1\r\nHost: x\r\n",
+                     b"Content-Length: %d\r\n" % len(body),
+                     b"Content-Type: %s\r\n" % content_type.encode() if content_type else b""])
+    status, out = raw_request(server, head + b"\r\n" + body)
+    assert status == 415 and "Content-Type: application/json" in out["error"], out
+    assert asked == []
+    monkeypatch.undo()
     still_serving(server, sentences)
 
 

@@ -27,7 +27,10 @@ src x src, decoder self-attention tgt x tgt, encoder-decoder attention tgt x src
 An input of more than --max-chars characters, or of more pieces than the model's positions
 allow, is refused (400, a JSON {"error": message} the page shows). Every bad request gets a
 4xx or 5xx JSON answer, is logged to stderr, and the server keeps serving. The server binds
-to 127.0.0.1 (this machine only) unless --host says otherwise; it has no authentication.
+to 127.0.0.1 (this machine only) unless --host says otherwise; it has no authentication. A
+POST must be ``Content-Type: application/json`` (415 otherwise): a page of another site
+cannot send that without the browser asking the server first (OPTIONS, refused), so it
+cannot make the explorer translate.
 """
 from __future__ import annotations
 
@@ -247,6 +250,12 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(408, f"the body did not arrive within {READ_TIMEOUT} s") from None
         if len(body) < n:
             raise RequestError(400, f"the body ended after {len(body)} of its {n} bytes")
+        if self.headers.get_content_type() != "application/json":
+            # (a form or text/plain POST is what another site's page can send here without
+            # the browser asking first, which OPTIONS' 405 refuses: such a request is not run)
+            raise RequestError(415, f"the request's Content-Type is "
+                                    f"{self.headers.get('Content-Type', 'missing')!r}; send "
+                                    'the body as Content-Type: application/json')
         try:
             data = json.loads(body.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # (deeply nested)
