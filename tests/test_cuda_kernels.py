@@ -283,9 +283,9 @@ class TestParity:
         """The m best columns outside ``skip`` (ties: the lower column first) and their
         log-probabilities over the whole row, in float64 on the host."""
         z64 = z.astype(np.float64)
-        keys = z64.copy()
-        keys[:, list(skip)] = -np.inf
-        best = np.argsort(-keys, axis=1, kind="stable")[:, :m]
+        cols = np.setdiff1d(np.arange(z.shape[1]), skip)  # (skip's never, even at -inf)
+        keys = np.where(np.isnan(z64[:, cols]), -np.inf, z64[:, cols])
+        best = cols[np.argsort(-keys, axis=1, kind="stable")[:, :m]]
         zmax = z64.max(axis=1, keepdims=True)
         lse = zmax + np.log(np.exp(z64 - zmax).sum(axis=1, keepdims=True))
         return best, np.take_along_axis(z64, best, 1) - lse
@@ -312,6 +312,37 @@ class TestParity:
         np.testing.assert_array_equal(np.isfinite(lp), finite)
         assert_close(lp[finite], want_lp[finite], RTOL[dtype] * 10, ATOL[dtype] * 10,
                      "log-probabilities")
+
+    @pytest.mark.parametrize("V, m", [(5000, 1), (5000, 8), (2000, 16)])
+    def test_top_m_log_softmax_ties_and_short_rows(self, cp, V, m, assert_close):
+        """Rows where a thread's own list fills with ties (all equal; 0/1 values; one value
+        in every column from 600 on: the lower columns first throughout), a row of one
+        finite score (then -inf ones, never padding or BOS), and a row whose best scores
+        all lie in one thread's columns (3, 3 + blockDim, ...: its own list overflows)."""
+        rng = _rng()
+        z = rng.standard_normal((5, V)).astype(np.float32)
+        z[0] = 0.0
+        z[1] = rng.integers(0, 2, V)
+        z[2] = -np.inf
+        z[2, 7] = 1.0
+        z[3, 600:] = z[3].max() + 1
+        one_thread = np.arange(3, V, ck._threads(V))
+        z[4, one_thread] = 40 + rng.standard_normal(len(one_thread))
+        want_best, want_lp = self.top_m_reference(z, m, (0, 2))
+        best, lp = ck.top_m_log_softmax(cp.asarray(z), m, (0, 2))
+        np.testing.assert_array_equal(backend.to_numpy(best), want_best)
+        lp, finite = backend.to_numpy(lp), np.isfinite(want_lp)
+        np.testing.assert_array_equal(np.isfinite(lp), finite)
+        assert_close(lp[finite], want_lp[finite], 1e-5, 1e-6, "log-probabilities")
+
+    def test_top_m_log_softmax_skips_as_numpy_indexes(self, cp):
+        """Skip ids index as NumPy does (-1: the last column); others are refused."""
+        z = np.arange(10, dtype=np.float32)[None, ::-1].copy()  # column 0 the best
+        best, _ = ck.top_m_log_softmax(cp.asarray(z), 2, (-10, 2))  # -10: column 0
+        np.testing.assert_array_equal(backend.to_numpy(best), [[1, 3]])
+        for skip in ((0, 1, 2), (10,), (-11,)):
+            with pytest.raises(ValueError, match="skip"):
+                ck.top_m_log_softmax(cp.asarray(z), 2, skip)
 
     def test_top_m_log_softmax_float16(self, cp, assert_close):
         rng = _rng()

@@ -240,20 +240,25 @@ def top_m_log_softmax(z, m, skip=()):
         lp[r, i] = z[r, best[r, i]] - max_j z[r, j] - log sum_j exp(z[r, j] - max_j z[r, j])
 
     Every column, ``skip``'s too, counts in the max and the sum. ``skip``: up to two column
-    indices (padding and BOS) that are never picked. z is read, not changed (top_m_log_softmax
-    writes out none of the V - m other log-probabilities, and needs no sort: CuPy's
-    argpartition sorts each whole row). m <= TOP_M_MAX, and each row has at least m columns
-    outside ``skip``. Returns (best int64 (R, m), lp (R, m) in float32, float64 for float64
-    z). One block per row; float16 computes in float32.
+    indices (padding and BOS; negative ones count from the end) that are never picked. z is
+    read, not changed (top_m_log_softmax writes out none of the V - m other
+    log-probabilities, and needs no sort: CuPy's argpartition sorts each whole row).
+    m <= TOP_M_MAX, and each row has at least m columns outside ``skip``. Returns (best
+    int64 (R, m), lp (R, m) in float32, float64 for float64 z). One block per row; float16
+    computes in float32.
     """
     cp = _cupy()
     if not z.flags.c_contiguous:
         raise ValueError("top_m_log_softmax needs C-contiguous scores")
     R, V = z.shape
-    skip = tuple(int(j) for j in skip) + (-1,) * (2 - len(skip))
-    if not 1 <= m <= TOP_M_MAX or m > V - len({j for j in skip if 0 <= j < V}):
+    if len(skip) > 2 or not all(-V <= int(j) < V for j in skip):
+        raise ValueError(f"top_m_log_softmax: skip {tuple(skip)} must be at most two columns "
+                         f"of the {V}")
+    skip = tuple(int(j) % V for j in skip)  # (-1: the last column, as NumPy indexes)
+    if not 1 <= m <= TOP_M_MAX or m > V - len(set(skip)):
         raise ValueError(f"top_m_log_softmax: m={m} must be in [1, {TOP_M_MAX}] and leave "
                          f"m columns of {V} outside {skip}")
+    skip += (-1,) * (2 - len(skip))  # (-1 in the kernel: no column)
     acc = np.float64 if z.dtype == np.float64 else np.float32
     best, lp = cp.empty((R, m), dtype=np.int64), cp.empty((R, m), dtype=acc)
     if R:
