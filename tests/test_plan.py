@@ -457,11 +457,20 @@ def test_a_run_that_ends_inside_its_warmup_is_warned_about():
     (line,) = schedule_warnings(_checked("--max-updates", "1000"))
     assert line.startswith("warning: --max-updates 1000 ends the run inside the warm-up "
                            "(--warmup 4000)") and "ends at 25% of its peak" in line
-    assert "--warmup 120" in line
+    # the advice keeps the peak: the plan's fitted warm-up (400 of 1000), the factor scaled
+    assert "give --warmup 400 --lr-factor 0.316 " in line
+    assert noam_lr(400, 64, 400, math.sqrt(400 / 4000)) == pytest.approx(noam_lr(4000, 64, 4000))
     assert schedule_warnings(_checked("--max-updates", "1000", "--warmup", "100")) == []
     assert schedule_warnings(_checked("--max-updates", "5000")) == []
     # sizing itself with a budget, the schedule is the plan's, its warm-up fitted: no warning
     assert schedule_warnings(_checked("--max-time", "30", "--max-updates", "1000")) == []
+    # ... unless the warm-up is given: then inverse-sqrt as before, not refused, and warned
+    args = _checked("--max-time", "30", "--max-updates", "1000", "--warmup", "2000")
+    assert args.lr_schedule == "inverse-sqrt" and len(schedule_warnings(args)) == 1
+    # a resumed run is warned only when a schedule flag is given again
+    resumed = _checked("--max-updates", "1000")
+    resumed.resume, resumed.explicit = True, set()
+    assert schedule_warnings(resumed) == []
 
 
 def test_a_chosen_warmup_that_does_not_fit_the_plan_is_warned_about():
@@ -469,10 +478,34 @@ def test_a_chosen_warmup_that_does_not_fit_the_plan_is_warned_about():
     _, events = feed(chosen, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
     (text, record), = events
     assert chosen.total < 4000 and "warning: the warm-up (--warmup 4000) does not fit" in text
-    assert f"give --warmup {round(0.12 * chosen.total)}" in text
+    assert "leave out --warmup to have it fitted" in text
     fitted = plan.DeadlinePlan(budget=100.0, d_model=64, warmup=4000, warmup_share=0.12)
     _, events = feed(fitted, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
     assert "warning" not in events[0][0] and fitted.warmup < fitted.total
+    # a fitted warm-up that a slower machine's re-plans leave beyond N is not the user's:
+    # no advice to leave out a --warmup never given
+    slowed = plan.DeadlinePlan(budget=400.0, d_model=64, warmup=4000, warmup_share=0.12)
+    elapsed, events = feed(slowed, 0, plan.SKIP + plan.MEASURE + 1, 0.5, 0.0)
+    assert slowed.warmup < slowed.total
+    _, events = feed(slowed, plan.SKIP + plan.MEASURE + 2, slowed.total, 5.0, elapsed)
+    assert events and slowed.total <= slowed.warmup
+    assert not any("warning" in text for text, _ in events)
+
+
+def test_a_cap_fits_the_warmup_from_the_first_update():
+    # --max-updates 100 or 20, warm-up not chosen: fitted to the cap at once, so the ramp
+    # goes to that warm-up's peak (no jump when the first plan comes after ~30 updates) and
+    # a cap below the first plan still ends annealed
+    for cap in (100, 20):
+        p = plan.DeadlinePlan(budget=10_000.0, d_model=64, warmup=4000, cap=cap,
+                              warmup_share=0.12)
+        w = plan.fitted_warmup(cap, 4000, 0.12)
+        assert p.warmup == w and p.lr(w) == pytest.approx(noam_lr(4000, 64, 4000), rel=1e-12)
+        assert p.lr(cap) == 0.0
+        feed(p, 0, min(cap, plan.SKIP + plan.MEASURE + 1), 1.0, 0.0)
+        lrs = [p.lr(u) for u in range(1, cap + 1)]
+        steps = [b - a for a, b in zip(lrs, lrs[1:])]
+        assert max(abs(d) for d in steps) <= 1.01 * noam_lr(4000, 64, 4000) / w, cap
 
 
 def test_a_finished_plan_is_not_extended_on_resume(tmp_path, capsys):
@@ -486,5 +519,42 @@ def test_a_finished_plan_is_not_extended_on_resume(tmp_path, capsys):
                                                  r"finished its plan \(\d+ updates"):
                 train(run, FakeClock(), mp, "--resume", flag, value)
     assert open(os.path.join(run, "metrics.jsonl")).read() == before  # nothing appended
+    # nor by turning the plan off, which also drops its schedule (the rate would jump)
+    for flags in (["--max-time", "0", "--max-updates", "500"],
+                  ["--lr-schedule", "inverse-sqrt", "--max-updates", "500"]):
+        with pytest.MonkeyPatch.context() as mp:
+            FakeClock().install(mp)
+            with pytest.raises(SystemExit, match=rf"{flags[0]} .* on --resume: this run "
+                                                 r"follows a plan to its --max-time \(1.5 min\)"):
+                train_cli.main(SMALL + ["--run-dir", run, "--max-time", "1.5", "--resume",
+                                        *flags])
+    assert open(os.path.join(run, "metrics.jsonl")).read() == before
     with pytest.MonkeyPatch.context() as mp:  # resumed as it was: validated and tested again
         assert train(run, FakeClock(), mp, "--resume") == 0
+    with pytest.MonkeyPatch.context() as mp:  # a cap below the updates made asks for no more
+        assert train(run, FakeClock(), mp, "--resume", "--max-updates", "60") == 0
+
+
+def test_a_cap_given_anew_on_resume_is_planned_for_at_once(tmp_path):
+    # capped at 100, stopped at 95, resumed with --max-updates 120: re-planned at once (not at
+    # the plan's next check, after the old cap's end), and the run ends annealed at 120
+    run = str(tmp_path / "run")
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(run, FakeClock(stop_at=95, slow_from=10_000), mp,
+                     "--max-updates", "100", "--max-time", "5") == 128 + signal.SIGTERM
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(run, FakeClock(slow_from=10_000), mp, "--resume", "--max-updates", "120",
+                     "--max-time", "5") == 0
+    lrs = {r["update"]: r["lr"] for r in records(run) if "lr" in r}
+    assert max(lrs) == 120 and lrs[120] == 0.0 and all(lrs[u] > 0 for u in range(96, 120))
+
+
+def test_a_time_budget_on_the_synthetic_corpus_plans_too():
+    # its default --max-updates 600 is not one the user gave: --max-time plans (capped by it)
+    from minitransformer.mt.options import fill_defaults, parse_args
+    args = parse_args(["--max-time", "2"])
+    fill_defaults(args)
+    assert args.lr_schedule == "linear" and args.max_updates == 600
+    args = parse_args(["--max-time", "2", "--max-updates", "600"])
+    fill_defaults(args)
+    assert args.lr_schedule == "inverse-sqrt"

@@ -8,6 +8,7 @@ config file named, so that ``--resume`` can tell a deliberate change from a defa
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -137,9 +138,9 @@ def _optimiser_flags(g):
                    help="after the warm-up: the paper's inverse square root decay, or a straight "
                         "line to 0 at --max-updates (for a fixed budget of updates) or, with "
                         "--max-time, at the number of updates the run plans to fit in it "
-                        "(default: linear for a new run with --max-time and no --max-updates, "
-                        "or one that sizes itself, its warm-up then 12%% of the plan unless "
-                        "--warmup is given; else inverse-sqrt)")
+                        "(default: linear for a new run with --max-time and no --max-updates "
+                        "given, or one that sizes itself with no --warmup given, its warm-up "
+                        "then 12%% of the plan unless --warmup is given; else inverse-sqrt)")
     add_number(g, "--warmup", int, ">= 1", default=None,
                help="warm-up updates (default 4000 as in the paper; 300 for the synthetic "
                     "corpus)")
@@ -324,8 +325,9 @@ def fill_defaults(args):
     if sizes_itself(args) and "lr_factor" not in args.explicit:
         from .autosize import LR_FACTOR
         args.lr_factor = LR_FACTOR
+    given = "max_updates" in args.explicit  # (not the synthetic corpus's default 600)
     if (not args.resume and args.max_time > 0 and "lr_schedule" not in args.explicit
-            and (not args.max_updates or sizes_itself(args))):
+            and (not given or (sizes_itself(args) and "warmup" not in args.explicit))):
         # a time budget: the decay planned to end with it (--max-updates capping the plan
         # in a run that sizes itself, whose learning rate is chosen for the plan's warm-up)
         args.lr_schedule = "linear"
@@ -365,13 +367,18 @@ def check_options(args):
 
 
 def schedule_warnings(args):
-    """Options that work but train badly, each with what to do instead -> lines to print."""
-    if args.lr_schedule == "inverse-sqrt" and 0 < args.max_updates <= args.warmup:
-        return [f"warning: --max-updates {args.max_updates} ends the run inside the warm-up "
-                f"(--warmup {args.warmup}): the learning rate rises all run and ends at "
-                f"{args.max_updates / args.warmup:.0%} of its peak; give --warmup "
-                f"{max(1, round(0.12 * args.max_updates))} (12% of the updates), or "
-                "--lr-schedule linear with --max-time M to plan the whole schedule"]
+    """Options that work but train badly, each with what to do instead -> lines to print
+    (on --resume only when a schedule flag is given again: a run's own are said once)."""
+    n, w = args.max_updates, args.warmup
+    again = not args.resume or {"max_updates", "warmup", "lr_schedule"} & args.explicit
+    if args.lr_schedule == "inverse-sqrt" and 0 < n <= w and again:
+        from .plan import WARMUP_SHARE, fitted_warmup
+        fit = max(1, fitted_warmup(n, w, WARMUP_SHARE))
+        return [f"warning: --max-updates {n} ends the run inside the warm-up (--warmup {w}): "
+                f"the learning rate rises all run and ends at {n / w:.0%} of its peak; for "
+                f"the same peak within the run give --warmup {fit} --lr-factor "
+                f"{args.lr_factor * math.sqrt(fit / w):.3g} (noam's peak grows as "
+                "1/sqrt(warm-up), so a shorter warm-up alone would raise it)"]
     return []
 
 

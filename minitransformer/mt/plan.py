@@ -29,7 +29,8 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
   Multi30k recipe's 500 of 4200 updates), becomes that share of the first plan's N, but
   at least ``WARMUP_FLOOR`` (500) updates, or ``WARMUP_MOST`` (40%) of N when that is
   less, and never more than the default (the paper's 4000, which would not fit a short
-  budget) nor less than the updates already made (``fitted_warmup``). The peak stays the
+  budget) nor less than the updates already made (``fitted_warmup``); with
+  ``--max-updates`` it is first fitted to that cap, from the first update. The peak stays the
   one the default warm-up and ``--lr-factor`` give: the factor is scaled by
   sqrt(new / old warm-up) and saved with the plan. (Noam's peak grows as 1/sqrt(warm-up).
   On a quarter of Multi30k, runs of 850-1000 updates whose warm-up shrank to 12% of the
@@ -59,6 +60,7 @@ CHECK_EVERY = 50  # updates between re-plans
 RATE_MEMORY = 100  # the rate: a moving average over about this many updates
 RESERVE = 3  # updates' time kept free at the end (the last updates vary in length)
 WARMUP_FLOOR, WARMUP_MOST = 500, 0.4  # an unchosen warm-up: at least 500, at most 40% of N
+WARMUP_SHARE = 0.12  # an unchosen warm-up (train.py): 12% of the planned updates
 
 
 def tail_saves(total, average_last, save_every, valid_every=0):
@@ -160,8 +162,11 @@ class DeadlinePlan:
         self.warmup_share = warmup_share  # the warm-up: at most this share of the first plan
         self.valid_every, self.save_every, self.cap = valid_every, save_every, cap
         self.average_last = average_last
-        peak = noam_lr(warmup, d_model, warmup, factor)
-        self.pieces = [[warmup, peak, cap]] if cap else []  # today's linear decay until a plan
+        if cap and warmup_share:  # (fitted to the cap at once: the updates before the first
+            self.warmup = fitted_warmup(cap, warmup, warmup_share)  # plan ramp up to it, and
+            self.factor *= math.sqrt(self.warmup / warmup)  # a cap below it is never planned)
+        peak = noam_lr(self.warmup, d_model, self.warmup, self.factor)
+        self.pieces = [[self.warmup, peak, cap]] if cap else []  # linear_decay_lr until a plan
         self.total = cap or None  # N: the run stops after this update
         self.rate = self.valid_s = self.save_s = None
         self.measured = [0.0, 0]  # seconds and plain intervals before the first plan
@@ -267,12 +272,12 @@ class DeadlinePlan:
                     f"{(self.budget - elapsed) / 60:.2f} of {minutes:g} min left)")
         if self.cap and self.total == self.cap:
             text += f"; capped by --max-updates {self.cap}"
-        if update < self.warmup >= self.total:  # (a chosen warm-up: a fitted one fits)
+        if update < self.warmup >= self.total and not self.warmup_share:  # (chosen)
             peak = noam_lr(self.warmup, self.d_model, self.warmup, self.factor)
             text += (f"; warning: the warm-up (--warmup {self.warmup}) does not fit in the "
                      f"plan: the rate falls from {self.lr(update + 1) / peak:.0%} of its peak "
-                     f"to 0; give --warmup {max(1, round(0.12 * self.total))} (12% of the "
-                     "plan), or leave it out to have it fitted")
+                     "to 0; leave out --warmup to have it fitted to the plan (the same peak, "
+                     "reached sooner)")
         tail = tail_saves(self.total, self.average_last, self.save_every, self.valid_every)
         if tail:
             text += (f"; checkpoints for --average-last {self.average_last} also at updates "

@@ -32,7 +32,7 @@ from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
 from .log import Log, StopSignals
 from .options import (PROFILE_WARMUP, check_options, fill_defaults, parse_args, plans_to_deadline,
                       restore_for_resume, run_options, schedule_warnings, sizes_itself)
-from .plan import DeadlinePlan
+from .plan import WARMUP_SHARE, DeadlinePlan
 from .rundir import RunDir, RunDirBusy
 from .step import train_step
 from .translation import corpus_bleu, translate_lines
@@ -42,9 +42,6 @@ from .translation import corpus_bleu, translate_lines
 # float32 (as GPU tensor cores do): its own rounds every partial sum to float16, so long sums
 # overflow, and it is ~100x slower than float32. The tests widen this to run the logic on a CPU.
 FLOAT16_DEVICES = ("cuda",)
-
-
-WARMUP_SHARE = 0.12  # a planned run's warm-up, unless given: 12% of its updates (mt/plan.py)
 
 
 class Trainer(CorpusSetUp):
@@ -87,6 +84,8 @@ class Trainer(CorpusSetUp):
                              f"{self.device}: resume with --device cuda, or with --precision "
                              "float32")
         fill_defaults(args)
+        if args.resume:
+            self._check_resumed_schedule()
         self.sizing = sizes_itself(args)
         if self.sizing and "max_tokens" not in args.explicit:
             args.max_tokens = autosize.CPU_TOKENS if self.device == "cpu" else "auto"
@@ -252,17 +251,37 @@ class Trainer(CorpusSetUp):
                                  f"follows a plan to its --max-time, which keeps the warm-up "
                                  f"and peak it was planned with ({flag} {saved[name]}); drop "
                                  "the flag, or start a new --run-dir")
-        longer = [f"--{k.replace('_', '-')} {getattr(a, k):g}" for k in ("max_time", "max_updates")
-                  if k in a.explicit and saved.get(k) is not None
-                  and (getattr(a, k) > saved[k] or (saved[k] and not getattr(a, k)))]
+        longer = []  # flags given anew that ask for more updates than this run has made
+        if "max_time" in a.explicit and a.max_time > saved.get("max_time", a.max_time):
+            longer.append(f"--max-time {a.max_time:g}")
+        if "max_updates" in a.explicit and (a.max_updates == 0 or a.max_updates > self.update) \
+                and a.max_updates != saved.get("max_updates", a.max_updates):
+            longer.append(f"--max-updates {a.max_updates}")
         if longer and self.plan.done(self.update):
             raise SystemExit(f"error: {' and '.join(longer)} on --resume: this run has finished "
                              f"its plan ({self.plan.total} updates, the learning rate falling "
                              "to 0 at the last), so there is no schedule left to extend: train "
                              "longer in a new --run-dir, or resume without the flag to validate "
                              "and test again")
-        if saved.get("max_time") != a.max_time and self.plan.next_check is not None:
-            self.plan.next_check = self.update  # (a new budget: re-planned at once)
+        budget = ("max_time", "max_updates")
+        if any(saved.get(k) != getattr(a, k) for k in budget) and self.plan.next_check is not None:
+            self.plan.next_check = self.update  # (a new budget or cap: re-planned at once)
+
+    def _check_resumed_schedule(self):
+        """A planned run stays planned on --resume: --max-time 0 or another --lr-schedule
+        would drop its schedule (the fitted warm-up and peak, the line to 0 at its planned
+        update) for another, and the rate would jump; refused before any work."""
+        a, saved = self.args, self._saved["train"]
+        if saved.get("lr_schedule") != "linear" or not saved.get("max_time") \
+                or plans_to_deadline(a):
+            return
+        given = [f"--{k.replace('_', '-')} {getattr(a, k):g}" if k == "max_time" else
+                 f"--lr-schedule {a.lr_schedule}" for k in ("lr_schedule", "max_time")
+                 if k in a.explicit and getattr(a, k) != saved.get(k)]
+        raise SystemExit(f"error: {' and '.join(given) or 'these flags'} on --resume: this run "
+                         f"follows a plan to its --max-time ({saved['max_time']:g} min), whose "
+                         "schedule cannot be swapped for another mid-run (the rate would "
+                         "jump); resume without the flag, or start a new --run-dir")
 
     # ---- training ------------------------------------------------------------------------
     def lr_at(self, update):
