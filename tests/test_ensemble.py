@@ -169,7 +169,15 @@ def test_translate_py_ensemble_refuses_a_run_given_twice(runs, capsys):
         code = translate_cli.main(["--run-dir", str(base / "a"), "--input", src,
                                    "--ensemble", *flags])
         err = capsys.readouterr().err
-        assert code == 2 and f"the same run as {first}; a model in an ensemble" in err, err
+        assert code == 2 and f"the same model as {first} (the same checkpoint files)" in err, err
+    # two checkpoints of one run are two models: --checkpoint is --run-dir's alone
+    other = base / "a" / "checkpoint_early.npz"
+    other.write_bytes((base / "b" / "checkpoint_last.npz").read_bytes())
+    assert translate_cli.main(["--run-dir", str(base / "a"), "--checkpoint", str(other),
+                               "--input", src, "--workers", "1", "--ensemble",
+                               str(base / "a")]) == 0
+    capsys.readouterr()
+    other.unlink()  # (the fixture's run as it was, for the other tests)
 
 
 def test_translate_py_record_appends_the_score_for_the_budget_plot(runs, tmp_path, capsys):

@@ -140,17 +140,28 @@ def check_run_dir(args):
     --ensemble.)"""
     ensemble = getattr(args, "ensemble", None)
     _check_one_run_dir(args.run_dir, "--run-dir", args)
-    seen = {os.path.realpath(args.run_dir): f"--run-dir {args.run_dir}"}
+    seen = {_model_files(args.run_dir, args, True): f"--run-dir {args.run_dir}"}
     for path in ensemble or ():
         _check_one_run_dir(path, "--ensemble", args)
-        if os.path.realpath(path) in seen:
-            raise UsageError(f"--ensemble {path}: the same run as {seen[os.path.realpath(path)]}; "
-                             "a model in an ensemble with itself translates as it does alone, "
-                             "in twice the time: give each run once")
-        seen[os.path.realpath(path)] = f"--ensemble {path}"
+        files = _model_files(path, args)
+        if files in seen:
+            raise UsageError(f"--ensemble {path}: the same model as {seen[files]} (the same "
+                             "checkpoint files); a model in an ensemble with itself translates "
+                             "as it does alone, in twice the time: give each model once")
+        seen[files] = f"--ensemble {path}"
     if ensemble and getattr(args, "plot_attention", None):
         raise UsageError("--plot-attention draws one model's attention: leave out --ensemble "
                          "(or --plot-attention)")
+
+
+def _model_files(path, args, main=False):
+    """The checkpoint files (real paths, as a set) that make the model of run ``path``, as
+    load_model chooses them: --checkpoint is --run-dir's alone."""
+    if main and args.checkpoint and not args.average_last:
+        files = args.checkpoint
+    else:
+        files = RunDir(path).choose_checkpoints(args.average_last)
+    return frozenset(os.path.realpath(f) for f in files)
 
 
 def _check_one_run_dir(path, flag, args):
