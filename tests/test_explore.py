@@ -247,13 +247,29 @@ def test_a_body_not_sent_as_json_is_415_and_not_translated(served, content_type,
     asked = []
     monkeypatch.setattr(server.explorer, "translate", lambda text: asked.append(text))
     body = json.dumps({"text": sentences[0]}).encode()
-    head = b"".join([b"POST /translate HTTP/1.1\r\nHost: x\r\n",
+    head = b"".join([b"POST /translate HTTP/1.1\r\nHost: localhost\r\n",
                      b"Content-Length: %d\r\n" % len(body),
                      b"Content-Type: %s\r\n" % content_type.encode() if content_type else b""])
     status, out = raw_request(server, head + b"\r\n" + body)
     assert status == 415 and "Content-Type: application/json" in out["error"], out
     assert asked == []
     monkeypatch.undo()
+    still_serving(server, sentences)
+
+
+def test_a_request_to_another_host_name_is_403(served):
+    # a page of another site whose name was made to resolve to 127.0.0.1 (DNS rebinding)
+    # is same-origin for its browser: its requests carry that name in Host
+    server, sentences = served
+    port = server.server_address[1]
+    for path, body in (("/", None), ("/info", None), ("/translate", {"text": sentences[0]})):
+        status, out, _ = call(server, path, body, headers={
+            "Host": f"attacker.example:{port}", "Content-Type": "application/json"})
+        assert status == 403 and "attacker.example" in out["error"], (path, out)
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        status, out, _ = call(server, "/translate", {"text": sentences[0]}, headers={
+            "Host": host, "Content-Type": "application/json"})
+        assert status == 200 and "translation" in out, (host, out)
     still_serving(server, sentences)
 
 
@@ -276,14 +292,14 @@ def test_oversized_body_is_413(served):
     status, out, _ = call(server, "/translate", b"x" * (limit + 1))
     assert status == 413 and f"{limit + 1} bytes" in out["error"]
     # a claimed body of a terabyte is refused at once, without reading it
-    status, out = raw_request(server, b"POST /translate HTTP/1.1\r\nHost: x\r\n"
+    status, out = raw_request(server, b"POST /translate HTTP/1.1\r\nHost: localhost\r\n"
                                       b"Content-Length: 1000000000000\r\n\r\n{")
     assert status == 413
     still_serving(server, sentences)
 
 
 @pytest.mark.parametrize("request_bytes, code", [
-    (b"POST /translate HTTP/1.1\r\nHost: x\r\n\r\n", 411),
+    (b"POST /translate HTTP/1.1\r\nHost: localhost\r\n\r\n", 411),
     (b"POST /translate HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400),
     (b"POST /translate HTTP/1.1\r\nContent-Length: 50\r\n\r\n{\"te", 400),  # cut short
     (b"GARBAGE\r\n\r\n", 400),

@@ -30,7 +30,8 @@ allow, is refused (400, a JSON {"error": message} the page shows). Every bad req
 to 127.0.0.1 (this machine only) unless --host says otherwise; it has no authentication. A
 POST must be ``Content-Type: application/json`` (415 otherwise): a page of another site
 cannot send that without the browser asking the server first (OPTIONS, refused), so it
-cannot make the explorer translate.
+cannot make the explorer translate; and on 127.0.0.1 a request whose Host is not a name of
+this machine is refused (403), so neither can a site whose name was made to point here.
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ ATTENTION = {  # API name -> the attention store's key (Transformer.set_attentio
 }
 DIGITS = 3            # attention weights are rounded to 3 decimals in the JSON answer
 MIN_BODY = 16 * 1024  # the largest request body accepted is at least this many bytes
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # names of this machine only
 DRAIN_LIMIT = 1 << 20  # an over-long body up to this size is read and dropped before the 413
 READ_TIMEOUT = 30     # seconds a client may take to send its request
 
@@ -181,7 +183,25 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "minitransformer-explore"
     timeout = READ_TIMEOUT  # a client that stops sending mid-request is dropped after this
 
+    def _foreign_host(self):
+        """True (and a 403 sent) for a request to a loopback-bound server whose Host is not
+        a loopback name: a page of another site whose name was made to resolve to this
+        machine (DNS rebinding) is same-origin with the server for its browser."""
+        host = self.headers.get("Host")
+        bound = self.server.server_address[0]
+        if host is None or bound not in LOOPBACK:
+            return False
+        name = urlsplit("//" + host).hostname or ""
+        if name in LOOPBACK:
+            return False
+        self._discard_body()
+        self._fail(403, f"the request's Host is {host!r}; this server answers requests to "
+                        "127.0.0.1 or localhost only (start it with --host to serve others)")
+        return True
+
     def do_GET(self):
+        if self._foreign_host():
+            return
         path = urlsplit(self.path).path
         if path in ("/", "/index.html"):
             self._page()
@@ -196,6 +216,8 @@ class Handler(BaseHTTPRequestHandler):
     do_HEAD = do_GET  # the same headers, no body (_send leaves it out)
 
     def do_POST(self):
+        if self._foreign_host():
+            return
         path = urlsplit(self.path).path
         if path != "/translate":
             self._discard_body()
@@ -253,9 +275,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.headers.get_content_type() != "application/json":
             # (a form or text/plain POST is what another site's page can send here without
             # the browser asking first, which OPTIONS' 405 refuses: such a request is not run)
+            given = self.headers.get("Content-Type")
             raise RequestError(415, f"the request's Content-Type is "
-                                    f"{self.headers.get('Content-Type', 'missing')!r}; send "
-                                    'the body as Content-Type: application/json')
+                                    f"{repr(given) if given else 'missing'}; send the body as "
+                                    "Content-Type: application/json")
         try:
             data = json.loads(body.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # (deeply nested)
