@@ -151,9 +151,9 @@ def measure_peak_gflops(xp: Any, dtype: Any, n: int = 1024, repeats: int = 5,
     """The best rate, in GFLOP/s, of an n x n x n product of ``dtype`` on ``xp``'s device
     (numpy: the CPU; cupy: the current GPU): 2 n^3 FLOPs over the fastest of the timed
     products, after one untimed: at least ``repeats`` of them, and more until they took
-    ``min_seconds`` (at most 100), so that a moment when other work shares the machine does
-    not make the denominator low and a row's MFU above 100%. Measured once per (device,
-    dtype, n), then cached."""
+    ``min_seconds`` (at most 10,000: on a GPU a product takes tens of microseconds), so that
+    a moment when other work shares the machine does not make the denominator low and a
+    row's MFU above 100%. Measured once per (device, dtype, n), then cached."""
     dtype = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype(np.float32)
     device = "cpu" if xp is np else f"cuda:{xp.cuda.Device().id}"
     key = (device, dtype.str, n)
@@ -161,7 +161,7 @@ def measure_peak_gflops(xp: Any, dtype: Any, n: int = 1024, repeats: int = 5,
         rng = np.random.default_rng(0)
         a, b = (xp.asarray(rng.standard_normal((n, n)), dtype=dtype) for _ in range(2))
         sync, best, spent, timed = _synchronizer(xp), math.inf, 0.0, -1
-        while timed < repeats or (spent < min_seconds and timed < 100):
+        while timed < repeats or (spent < min_seconds and timed < 10_000):
             sync()
             t0 = time.perf_counter()
             a @ b
@@ -350,9 +350,9 @@ def _caption(total, wall, peak, device, above=False):
     text = (f"{1e3 * total:.1f} ms in ops{outside}; MFU against {peak:.0f} GFLOP/s, this "
             f"device's measured {dtype} GEMM rate")
     if above:
-        text += ("\n(an MFU above 100%: that row ran faster than the measured product, so the "
-                 "machine was busier then, or ran the product on fewer threads; give "
-                 "peak_gflops to fix the denominator)")
+        text += ("\n(an MFU above 100%: that row ran faster than the measured 1024-cubed "
+                 "product: a larger product, or, on a CPU, other work or fewer BLAS threads "
+                 "while it was measured; Profiler(..., peak_gflops=) sets the denominator)")
     return text
 
 
