@@ -378,6 +378,11 @@ def test_a_time_budget_plans_the_schedule_by_default():
                         (["--max-time", "30", "--lr-schedule", "inverse-sqrt"], "inverse-sqrt"),
                         # a run that sizes itself plans, --max-updates capping the plan ...
                         (["--max-time", "30", "--max-updates", "5000"], "linear"),
+                        (["--max-time", "30", "--max-updates", "5000", "--warmup", "500"],
+                         "linear"),
+                        # (a cap inside a chosen warm-up cannot be planned: as before)
+                        (["--max-time", "30", "--max-updates", "1000", "--warmup", "2000"],
+                         "inverse-sqrt"),
                         # ... one with its model given does not
                         (["--max-time", "30", "--max-updates", "5000", "--preset", "tiny"],
                          "inverse-sqrt"),
@@ -478,7 +483,7 @@ def test_a_chosen_warmup_that_does_not_fit_the_plan_is_warned_about():
     _, events = feed(chosen, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
     (text, record), = events
     assert chosen.total < 4000 and "warning: the warm-up (--warmup 4000) does not fit" in text
-    assert "leave out --warmup to have it fitted" in text
+    assert "a run started without --warmup has it fitted to the plan" in text
     fitted = plan.DeadlinePlan(budget=100.0, d_model=64, warmup=4000, warmup_share=0.12)
     _, events = feed(fitted, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
     assert "warning" not in events[0][0] and fitted.warmup < fitted.total
@@ -558,3 +563,90 @@ def test_a_time_budget_on_the_synthetic_corpus_plans_too():
     args = parse_args(["--max-time", "2", "--max-updates", "600"])
     fill_defaults(args)
     assert args.lr_schedule == "inverse-sqrt"
+
+
+def _no_jump(run, why):
+    """The planned rates of ``run`` (metrics.jsonl, every update logged) move by at most a
+    third of the peak from one update to the next (short pieces are steep, but no jump)."""
+    lrs = {r["update"]: r["lr"] for r in records(run) if "lr" in r}
+    updates = sorted(lrs)  # (the update a signal stopped has no log line)
+    peak = max(lrs.values())
+    steps = [abs(lrs[b] - lrs[a]) / (b - a) for a, b in zip(updates, updates[1:])]
+    assert max(steps) <= 0.35 * peak, (why, max(steps) / peak)
+    assert lrs[updates[-1]] == 0.0, why  # (annealed at its last update, and not before)
+    assert all(lrs[u] > 0 for u in updates[:-1]), (why, [u for u in updates if not lrs[u]])
+    return lrs
+
+
+def test_the_first_plan_shortens_the_warmup_without_a_jump(tmp_path):
+    # warm-up not chosen (the synthetic corpus's default 300), 1.5 minutes: the first plan
+    # fits it to ~50 updates; the rate climbs there from where noam's ramp had it
+    run = str(tmp_path / "run")
+    with pytest.MonkeyPatch.context() as mp:
+        FakeClock().install(mp)
+        flags = [f for f in SMALL if f not in ("--warmup", "50")]
+        assert train_cli.main(flags + ["--run-dir", run, "--max-time", "1.5"]) == 0
+    lrs = _no_jump(run, "first plan")
+    top = max(lrs, key=lrs.get)
+    assert 31 < top < 80 and all(lrs[u] < lrs[u + 1] for u in range(1, top))
+
+
+@pytest.mark.parametrize("first_cap, stop, new_cap", [(20, 10, 40), (0, 20, 25), (0, 20, 60),
+                                                      (20, 10, 0)])
+def test_a_cap_given_on_resume_before_the_first_plan_ends_the_schedule(tmp_path, first_cap,
+                                                                       stop, new_cap):
+    # stopped before the first plan (~30 updates), resumed with another --max-updates: the
+    # schedule ends at it (lr 0 at its last update), from the rate the run had
+    run = str(tmp_path / "run")
+    flags = [f for f in SMALL if f not in ("--warmup", "50")]
+    with pytest.MonkeyPatch.context() as mp:
+        FakeClock(stop_at=stop).install(mp)
+        assert train_cli.main(flags + ["--run-dir", run, "--max-time", "1.5", "--max-updates",
+                                       str(first_cap)]) == 128 + signal.SIGTERM
+    with pytest.MonkeyPatch.context() as mp:
+        FakeClock().install(mp)
+        assert train_cli.main(flags + ["--run-dir", run, "--max-time", "1.5", "--resume",
+                                       "--max-updates", str(new_cap)]) == 0
+    lrs = _no_jump(run, (first_cap, stop, new_cap))
+    assert max(lrs) == new_cap or not new_cap
+
+
+def test_resuming_without_a_plan_keeps_its_schedule(tmp_path):
+    # a fixed-length linear run (no --max-time) resumed with a time budget: the checkpoint
+    # has no plan; its warm-up (chosen or not) is kept, so the rate goes on as it was
+    run = str(tmp_path / "run")
+    flags = [f for f in SMALL if f not in ("--warmup", "50")] + ["--run-dir", run,
+                                                                  "--max-updates", "400"]
+    with pytest.MonkeyPatch.context() as mp:
+        FakeClock(stop_at=45).install(mp)
+        assert train_cli.main(flags) == 128 + signal.SIGTERM
+    with pytest.MonkeyPatch.context() as mp:
+        FakeClock().install(mp)
+        assert train_cli.main(flags + ["--resume", "--max-time", "5"]) == 0
+    lrs = _no_jump(run, "linear, then planned")
+    for u in sorted(set(lrs) & set(range(1, 60))):  # to the first plan after the resume
+        assert lrs[u] == pytest.approx(linear_decay_lr(u, 32, 300, 400), rel=1e-12), u
+
+
+def test_what_would_stop_a_plan_unannealed_or_swap_a_schedule_is_refused(tmp_path):
+    run = str(tmp_path / "run")
+    with pytest.MonkeyPatch.context() as mp:
+        assert train(run, FakeClock(stop_at=60), mp) == 128 + signal.SIGTERM
+    before = open(os.path.join(run, "metrics.jsonl")).read()
+    for flags, words in ((["--max-updates", "55"], "has made 60 updates"),
+                         (["--max-updates", "60"], "has made 60 updates"),
+                         (["--max-time", "0.2"], "would stop it where it stands"),
+                         (["--lr-schedule", "inverse-sqrt"], "cannot be swapped")):
+        with pytest.MonkeyPatch.context() as mp:
+            with pytest.raises(SystemExit, match=words):
+                train(run, FakeClock(), mp, "--resume", *flags)
+    assert open(os.path.join(run, "metrics.jsonl")).read() == before
+    # the other way too: an inverse-sqrt run is not switched to the linear schedule
+    other = str(tmp_path / "other")
+    flags = [f for f in SMALL if f not in ("--lr-schedule", "linear")] + ["--run-dir", other]
+    with pytest.MonkeyPatch.context() as mp:
+        FakeClock(stop_at=10).install(mp)
+        assert train_cli.main(flags + ["--max-updates", "100"]) == 128 + signal.SIGTERM
+    with pytest.raises(SystemExit, match="follows --lr-schedule inverse-sqrt, and its "
+                                         "schedule cannot be swapped"):
+        train_cli.main(flags + ["--resume", "--lr-schedule", "linear", "--max-time", "1"])

@@ -327,7 +327,8 @@ def fill_defaults(args):
         args.lr_factor = LR_FACTOR
     given = "max_updates" in args.explicit  # (not the synthetic corpus's default 600)
     if (not args.resume and args.max_time > 0 and "lr_schedule" not in args.explicit
-            and (not given or (sizes_itself(args) and "warmup" not in args.explicit))):
+            and (not given or (sizes_itself(args) and ("warmup" not in args.explicit
+                                                       or args.max_updates > args.warmup)))):
         # a time budget: the decay planned to end with it (--max-updates capping the plan
         # in a run that sizes itself, whose learning rate is chosen for the plan's warm-up)
         args.lr_schedule = "linear"
@@ -374,9 +375,10 @@ def schedule_warnings(args):
     if args.lr_schedule == "inverse-sqrt" and 0 < n <= w and again:
         from .plan import WARMUP_SHARE, fitted_warmup
         fit = max(1, fitted_warmup(n, w, WARMUP_SHARE))
+        where = "in a new --run-dir " if args.resume else ""  # (on resume: the rate jumps)
         return [f"warning: --max-updates {n} ends the run inside the warm-up (--warmup {w}): "
                 f"the learning rate rises all run and ends at {n / w:.0%} of its peak; for "
-                f"the same peak within the run give --warmup {fit} --lr-factor "
+                f"the same peak within the run give {where}--warmup {fit} --lr-factor "
                 f"{args.lr_factor * math.sqrt(fit / w):.3g} (noam's peak grows as "
                 "1/sqrt(warm-up), so a shorter warm-up alone would raise it)"]
     return []

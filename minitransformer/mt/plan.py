@@ -29,15 +29,17 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
   Multi30k recipe's 500 of 4200 updates), becomes that share of the first plan's N, but
   at least ``WARMUP_FLOOR`` (500) updates, or ``WARMUP_MOST`` (40%) of N when that is
   less, and never more than the default (the paper's 4000, which would not fit a short
-  budget) nor less than the updates already made (``fitted_warmup``); with
-  ``--max-updates`` it is first fitted to that cap, from the first update. The peak stays the
+  budget) (``fitted_warmup``); with ``--max-updates`` it is first fitted to that cap, from
+  the first update. The peak stays the
   one the default warm-up and ``--lr-factor`` give: the factor is scaled by
   sqrt(new / old warm-up) and saved with the plan. (Noam's peak grows as 1/sqrt(warm-up).
   On a quarter of Multi30k, runs of 850-1000 updates whose warm-up shrank to 12% of the
   plan, about 110 updates, learned far more slowly than with 500: validation loss / greedy
   BLEU 4.21 / 2.7 against 3.85 / 12.5 at update 500, at the same peak of 2e-3; at twice
-  that peak they never learned.) The ramp continues from the first plan with the shorter
-  warm-up's slope.
+  that peak they never learned.) From the first plan the rate climbs in a straight line
+  from the last update's rate to the peak at the shorter warm-up (a piece [u, lr(u), w,
+  peak]), so it does not jump; a fitted warm-up already behind the run is not climbed to:
+  the rate falls from where it is.
 * **Re-planning** every ``CHECK_EVERY`` updates and after each validation: a new N from the
   time left and the current r. If it differs by more than 1% of the updates left, the
   schedule gets a new piece [u, lr(u), N'] starting from the rate of the last update, so the
@@ -141,12 +143,17 @@ def fitted_warmup(n, warmup, share):
 
 
 def piece_lr(step, pieces, d_model, warmup, factor=1.0):
-    """The planned schedule at ``step``: the last piece [u0, lr0, N] with u0 < step gives
-    lr0 max(N - step, 0) / (N - u0); before any piece, the paper's warm-up (noam_lr), then
-    its peak. One piece [warmup, peak, N] equals ``linear_decay_lr(step, ..., N)``."""
+    """The planned schedule at ``step``: the last piece with u0 < step gives it; a piece
+    [u0, lr0, N] falls in a straight line, lr0 max(N - step, 0) / (N - u0), and a rising one
+    [u0, lr0, w, peak] (a warm-up shortened by the first plan) climbs from lr0 to the peak at
+    update w. Before any piece, the paper's warm-up (noam_lr), then its peak. One piece
+    [warmup, peak, N] equals ``linear_decay_lr(step, ..., N)``."""
     step = max(int(step), 1)
-    for start, lr, total in reversed(pieces):
+    for piece in reversed(pieces):
+        start, lr, total = piece[:3]
         if step > start:
+            if len(piece) == 4:  # rising to piece[3] at update ``total``
+                return lr + (piece[3] - lr) * min(step - start, total - start) / (total - start)
             return lr * max(total - step, 0) / max(total - start, 1)
     return noam_lr(min(step, warmup), d_model, warmup, factor)
 
@@ -165,8 +172,7 @@ class DeadlinePlan:
         if cap and warmup_share:  # (fitted to the cap at once: the updates before the first
             self.warmup = fitted_warmup(cap, warmup, warmup_share)  # plan ramp up to it, and
             self.factor *= math.sqrt(self.warmup / warmup)  # a cap below it is never planned)
-        peak = noam_lr(self.warmup, d_model, self.warmup, self.factor)
-        self.pieces = [[self.warmup, peak, cap]] if cap else []  # linear_decay_lr until a plan
+        self.pieces = [[self.warmup, self.peak(), cap]] if cap else []  # (linear_decay_lr)
         self.total = cap or None  # N: the run stops after this update
         self.rate = self.valid_s = self.save_s = None
         self.measured = [0.0, 0]  # seconds and plain intervals before the first plan
@@ -236,25 +242,55 @@ class DeadlinePlan:
                          self.average_last)
         if not first and abs(n - old) <= (old - update) // 100:
             return None  # within 1% of the updates left: keep the schedule as it is
-        warmup = self.warmup
+        before, refit = self.lr(update), False  # (the rate of the update just made)
         if first and self.warmup_share:  # (the warm-up was not chosen: fit it to the plan)
-            self.warmup = max(update + 1, fitted_warmup(n, self.warmup, self.warmup_share))
-            # the same peak, reached sooner: noam_lr's peak goes as factor / sqrt(warmup)
-            self.factor *= math.sqrt(self.warmup / warmup)
-        if n != old or self.warmup != warmup:
-            self._new_piece(update, n)
+            fitted = fitted_warmup(n, self.warmup, self.warmup_share)
+            if fitted != self.warmup:  # the same peak, reached sooner: noam_lr's peak goes
+                self.factor *= math.sqrt(fitted / self.warmup)  # as factor / sqrt(warmup)
+                self.warmup, refit = fitted, True
+        if n != old or refit:
+            self._new_piece(update, n, before, refit)
         self.total = n
         return self._describe(first, update, elapsed, old)
 
-    def _new_piece(self, update, n):
-        """The schedule from update + 1 on falls to 0 at ``n``: the warm-up and its peak kept
-        while they lie ahead and fit, else a straight line from the last update's rate."""
-        self.pieces = [p for p in self.pieces if p[0] < update]  # (those ahead: replaced)
-        if not self.pieces and update < self.warmup < n:
-            self.pieces.append([self.warmup, noam_lr(self.warmup, self.d_model, self.warmup,
-                                                      self.factor), n])
+    def restart_before_plan(self, update, cap):
+        """A resumed run that stopped before its first plan, given a new --max-updates
+        ``cap`` (0: none): with a cap, the schedule falls to 0 at it from this update's rate
+        (climbing first to the peak of a warm-up not chosen, fitted to the cap, when that
+        lies ahead); without, the rate holds where it is (or noam's ramp goes on) until the
+        first plan. The rate does not jump."""
+        before, refit = self.lr(update), False
+        if cap and self.warmup_share:
+            fitted = fitted_warmup(cap, self.warmup, self.warmup_share)
+            if fitted != self.warmup:
+                self.factor *= math.sqrt(fitted / self.warmup)
+                self.warmup, refit = fitted, True
+        if cap:
+            self._new_piece(update, cap, before, refit)
         else:
-            self.pieces.append([update, self.lr(update), n])
+            self.pieces = [p for p in self.pieces if p[0] < update]
+            if self.pieces or update >= self.warmup:
+                self.pieces.append([update, before, update + 1, before])
+        self.total = cap or None
+
+    def peak(self):
+        return noam_lr(self.warmup, self.d_model, self.warmup, self.factor)
+
+    def _new_piece(self, update, n, before, refit=False):
+        """The schedule from update + 1 on falls to 0 at ``n``, starting from ``before``, the
+        last update's rate: the warm-up and its peak kept while they lie ahead and fit (a
+        warm-up just shortened, ``refit``, is reached by a straight climb from ``before``),
+        else a straight line down from ``before``. The rate never jumps."""
+        self.pieces = [p for p in self.pieces if p[0] < update]  # (those ahead: replaced)
+        last = self.pieces[-1] if self.pieces else None  # (noam's ramp, or a climb to the
+        ramp = last is None or (len(last) == 4 and last[2] == self.warmup)  # peak, in use)
+        if update < self.warmup < n and refit:
+            self.pieces += [[update, before, self.warmup, self.peak()],
+                            [self.warmup, self.peak(), n]]
+        elif update < self.warmup < n and ramp:
+            self.pieces.append([self.warmup, self.peak(), n])
+        else:
+            self.pieces.append([update, before, n])
 
     def _describe(self, first, update, elapsed, old):
         validations, _ = due(update, self.total, self.valid_every, self.save_every,
@@ -272,12 +308,11 @@ class DeadlinePlan:
                     f"{(self.budget - elapsed) / 60:.2f} of {minutes:g} min left)")
         if self.cap and self.total == self.cap:
             text += f"; capped by --max-updates {self.cap}"
-        if update < self.warmup >= self.total and not self.warmup_share:  # (chosen)
-            peak = noam_lr(self.warmup, self.d_model, self.warmup, self.factor)
+        if update < self.warmup >= self.total > update and not self.warmup_share:  # (chosen)
             text += (f"; warning: the warm-up (--warmup {self.warmup}) does not fit in the "
-                     f"plan: the rate falls from {self.lr(update + 1) / peak:.0%} of its peak "
-                     "to 0; leave out --warmup to have it fitted to the plan (the same peak, "
-                     "reached sooner)")
+                     f"plan: the rate falls from {self.lr(update + 1) / self.peak():.0%} of its "
+                     "peak to 0; a run started without --warmup has it fitted to the plan "
+                     "(the same peak, reached sooner)")
         tail = tail_saves(self.total, self.average_last, self.save_every, self.valid_every)
         if tail:
             text += (f"; checkpoints for --average-last {self.average_last} also at updates "

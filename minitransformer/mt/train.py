@@ -168,7 +168,7 @@ class Trainer(CorpusSetUp):
             self.plan = DeadlinePlan(a.max_time * 60, self.cfg.d_model, a.warmup, a.lr_factor,
                                      a.valid_every if self.valid is not None else 0,
                                      a.save_every, a.max_updates,
-                                     warmup_share=None if "warmup" in a.explicit
+                                     warmup_share=None if "warmup" in a.explicit or a.resume
                                      else WARMUP_SHARE, average_last=a.average_last)
         if a.resume:
             self._load(self.rd.last)
@@ -240,48 +240,64 @@ class Trainer(CorpusSetUp):
             self.plan.warmup_share = None  # warm-up as it was)
 
     def _resume_plan(self):
-        """A planned run resumed: its warm-up and peak are the plan's (--warmup and
-        --lr-factor given anew are refused, not silently unused), and a --max-time given
-        anew is planned for at the next update, not at the plan's next check."""
-        a, saved = self.args, self._saved["train"]
+        """A planned run resumed (its plan, warm-up and peak as the checkpoint has them):
+        --warmup and --lr-factor given anew are refused, not silently unused; a --max-time or
+        --max-updates given anew is planned for at once, not at the plan's next check; one
+        that would end the run where it stands, before its rate reaches 0, or extend a plan
+        that has ended (its rate at 0), is refused."""
+        a, saved, plan, u = self.args, self._saved["train"], self.plan, self.update
         for name in ("warmup", "lr_factor"):
             if name in a.explicit and saved.get(name, getattr(a, name)) != getattr(a, name):
                 flag = "--" + name.replace("_", "-")
                 raise SystemExit(f"error: {flag} {getattr(a, name)} on --resume: this run "
-                                 f"follows a plan to its --max-time, which keeps the warm-up "
-                                 f"and peak it was planned with ({flag} {saved[name]}); drop "
+                                 f"follows a plan to its --max-time, which keeps its warm-up "
+                                 f"({plan.warmup} updates) and peak ({plan.peak():.3g}); drop "
                                  "the flag, or start a new --run-dir")
-        longer = []  # flags given anew that ask for more updates than this run has made
-        if "max_time" in a.explicit and a.max_time > saved.get("max_time", a.max_time):
-            longer.append(f"--max-time {a.max_time:g}")
-        if "max_updates" in a.explicit and (a.max_updates == 0 or a.max_updates > self.update) \
-                and a.max_updates != saved.get("max_updates", a.max_updates):
-            longer.append(f"--max-updates {a.max_updates}")
-        if longer and self.plan.done(self.update):
-            raise SystemExit(f"error: {' and '.join(longer)} on --resume: this run has finished "
-                             f"its plan ({self.plan.total} updates, the learning rate falling "
-                             "to 0 at the last), so there is no schedule left to extend: train "
-                             "longer in a new --run-dir, or resume without the flag to validate "
-                             "and test again")
-        budget = ("max_time", "max_updates")
-        if any(saved.get(k) != getattr(a, k) for k in budget) and self.plan.next_check is not None:
-            self.plan.next_check = self.update  # (a new budget or cap: re-planned at once)
+        changed = [k for k in ("max_time", "max_updates")
+                   if k in a.explicit and getattr(a, k) != saved.get(k, getattr(a, k))]
+        if not changed:
+            return
+        flags = " and ".join(f"--{k.replace('_', '-')} {getattr(a, k):g}" for k in changed)
+        ended = plan.done(u) and plan.lr(u) == 0.0
+        more = (a.max_time * 60 > self.train_time and a.max_time > saved.get("max_time", 0)
+                or a.max_updates == 0 or a.max_updates > u)
+        if ended and more:
+            raise SystemExit(f"error: {flags} on --resume: this run has finished its plan "
+                             f"({plan.total} updates, the learning rate falling to 0 at the "
+                             "last), so there is no schedule left to extend: train longer in "
+                             "a new --run-dir, or resume without the flag to validate and test "
+                             "again")
+        if not ended and (0 < a.max_updates <= u or a.max_time * 60 <= self.train_time):
+            raise SystemExit(f"error: {flags} on --resume: this run has made {u} updates in "
+                             f"{self.train_time / 60:.2f} min and its rate is not yet 0; that "
+                             "would stop it where it stands, unannealed: give more, or resume "
+                             "without the flag")
+        if ended:
+            return
+        plan.cap = a.max_updates
+        if plan.next_check is not None:
+            plan.next_check = u  # (a new budget or cap: re-planned at once)
+        elif a.max_updates != (plan.total or 0):  # (no plan yet: the cap ends the schedule)
+            plan.restart_before_plan(u, a.max_updates)
 
     def _check_resumed_schedule(self):
-        """A planned run stays planned on --resume: --max-time 0 or another --lr-schedule
-        would drop its schedule (the fitted warm-up and peak, the line to 0 at its planned
-        update) for another, and the rate would jump; refused before any work."""
+        """The schedule stays on --resume: another --lr-schedule, or --max-time 0 for a run
+        planned to its --max-time, would swap the run's schedule (a planned one: its fitted
+        warm-up and peak, its line to 0) for another, and the rate would jump; refused
+        before any work."""
         a, saved = self.args, self._saved["train"]
-        if saved.get("lr_schedule") != "linear" or not saved.get("max_time") \
-                or plans_to_deadline(a):
+        planned = saved.get("lr_schedule") == "linear" and saved.get("max_time", 0) > 0
+        if "lr_schedule" in a.explicit and a.lr_schedule != saved.get("lr_schedule"):
+            flag = f"--lr-schedule {a.lr_schedule}"
+        elif planned and not plans_to_deadline(a):
+            flag = f"--max-time {a.max_time:g}"
+        else:
             return
-        given = [f"--{k.replace('_', '-')} {getattr(a, k):g}" if k == "max_time" else
-                 f"--lr-schedule {a.lr_schedule}" for k in ("lr_schedule", "max_time")
-                 if k in a.explicit and getattr(a, k) != saved.get(k)]
-        raise SystemExit(f"error: {' and '.join(given) or 'these flags'} on --resume: this run "
-                         f"follows a plan to its --max-time ({saved['max_time']:g} min), whose "
-                         "schedule cannot be swapped for another mid-run (the rate would "
-                         "jump); resume without the flag, or start a new --run-dir")
+        what = (f"follows a plan to its --max-time ({saved['max_time']:g} min)" if planned
+                else f"follows --lr-schedule {saved.get('lr_schedule')}")
+        raise SystemExit(f"error: {flag} on --resume: this run {what}, and its schedule cannot "
+                         "be swapped for another mid-run (the rate would jump); resume "
+                         "without the flag, or start a new --run-dir")
 
     # ---- training ------------------------------------------------------------------------
     def lr_at(self, update):
