@@ -37,9 +37,9 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
   plan, about 110 updates, learned far more slowly than with 500: validation loss / greedy
   BLEU 4.21 / 2.7 against 3.85 / 12.5 at update 500, at the same peak of 2e-3; at twice
   that peak they never learned.) From the first plan the rate climbs in a straight line
-  from the last update's rate to the peak at the shorter warm-up (a piece [u, lr(u), w,
-  peak]), so it does not jump; a fitted warm-up already behind the run is not climbed to:
-  the rate falls from where it is.
+  from the last update's rate (a piece [u, lr(u), w, top]), no faster than the fitted
+  warm-up climbs (peak / fitted an update) and for at most 40% of the updates left, to the
+  peak or as near it as that allows; then it falls to 0 at N. It never jumps.
 * **Re-planning** every ``CHECK_EVERY`` updates and after each validation: a new N from the
   time left and the current r. If it differs by more than 1% of the updates left, the
   schedule gets a new piece [u, lr(u), N'] starting from the rate of the last update, so the
@@ -242,14 +242,11 @@ class DeadlinePlan:
                          self.average_last)
         if not first and abs(n - old) <= (old - update) // 100:
             return None  # within 1% of the updates left: keep the schedule as it is
-        before, refit = self.lr(update), False  # (the rate of the update just made)
+        before, climb = self.lr(update), None  # (the rate of the update just made)
         if first and self.warmup_share:  # (the warm-up was not chosen: fit it to the plan)
-            fitted = fitted_warmup(n, self.warmup, self.warmup_share)
-            if fitted != self.warmup:  # the same peak, reached sooner: noam_lr's peak goes
-                self.factor *= math.sqrt(fitted / self.warmup)  # as factor / sqrt(warmup)
-                self.warmup, refit = fitted, True
-        if n != old or refit:
-            self._new_piece(update, n, before, refit)
+            climb = self._refit_warmup(update, n, before)
+        if n != old or climb:
+            self._new_piece(update, n, before, climb)
         self.total = n
         return self._describe(first, update, elapsed, old)
 
@@ -259,36 +256,51 @@ class DeadlinePlan:
         (climbing first to the peak of a warm-up not chosen, fitted to the cap, when that
         lies ahead); without, the rate holds where it is (or noam's ramp goes on) until the
         first plan. The rate does not jump."""
-        before, refit = self.lr(update), False
+        before, climb = self.lr(update), None
         if cap and self.warmup_share:
-            fitted = fitted_warmup(cap, self.warmup, self.warmup_share)
-            if fitted != self.warmup:
-                self.factor *= math.sqrt(fitted / self.warmup)
-                self.warmup, refit = fitted, True
+            climb = self._refit_warmup(update, cap, before)
         if cap:
-            self._new_piece(update, cap, before, refit)
+            self._new_piece(update, cap, before, climb)
         else:
             self.pieces = [p for p in self.pieces if p[0] < update]
             if self.pieces or update >= self.warmup:
                 self.pieces.append([update, before, update + 1, before])
         self.total = cap or None
 
+    def _refit_warmup(self, update, n, before):
+        """Fit a warm-up not chosen to a plan of ``n`` updates (``fitted_warmup``): from the
+        last update's rate ``before`` the rate climbs no faster than the fitted warm-up does
+        (peak / w an update), for at most ``WARMUP_MOST`` of the updates left, to the peak
+        or as near it as that allows. -> the climb (its last update, the rate there), or None
+        when the warm-up stays as it is. The peak stays the one the warm-up had."""
+        peak = self.peak()
+        slope = peak / fitted_warmup(n, self.warmup, self.warmup_share)
+        length = min(math.ceil((peak - before) / slope - 1e-9),  # (-1e-9: a rounding)
+                     max(1, int(WARMUP_MOST * (n - update))))
+        if length <= 0 or (update + length == self.warmup and before + slope * length >= peak):
+            return None
+        w = update + length
+        self.factor *= math.sqrt(w / self.warmup)  # noam's peak goes as factor / sqrt(w)
+        self.warmup = w
+        return w, min(peak, before + slope * length)
+
     def peak(self):
         return noam_lr(self.warmup, self.d_model, self.warmup, self.factor)
 
-    def _new_piece(self, update, n, before, refit=False):
+    def _new_piece(self, update, n, before, climb=None):
         """The schedule from update + 1 on falls to 0 at ``n``, starting from ``before``, the
-        last update's rate: the warm-up and its peak kept while they lie ahead and fit (a
-        warm-up just shortened, ``refit``, is reached by a straight climb from ``before``),
-        else a straight line down from ``before``. The rate never jumps."""
+        last update's rate: a ``climb`` (its last update w, its rate there) just fitted is
+        climbed first, in a straight line, and a warm-up still ahead is kept (noam's ramp,
+        or a climb under way); else a straight line down from ``before``. The rate never
+        jumps."""
         self.pieces = [p for p in self.pieces if p[0] < update]  # (those ahead: replaced)
         last = self.pieces[-1] if self.pieces else None  # (noam's ramp, or a climb to the
-        ramp = last is None or (len(last) == 4 and last[2] == self.warmup)  # peak, in use)
-        if update < self.warmup < n and refit:
-            self.pieces += [[update, before, self.warmup, self.peak()],
-                            [self.warmup, self.peak(), n]]
+        ramp = last is None or (len(last) == 4 and last[2] == self.warmup)  # warm-up, in use)
+        if climb:
+            w, top = climb
+            self.pieces += [[update, before, w, top], [w, top, n]]
         elif update < self.warmup < n and ramp:
-            self.pieces.append([self.warmup, self.peak(), n])
+            self.pieces.append([self.warmup, last[3] if last else self.peak(), n])
         else:
             self.pieces.append([update, before, n])
 

@@ -236,8 +236,20 @@ class Trainer(CorpusSetUp):
         if self.plan is not None and "plan" in meta:
             self.plan.load_state_dict(meta["plan"])
             self._resume_plan()
-        elif self.plan is not None:  # (a run from before plans: planned from here on, its
-            self.plan.warmup_share = None  # warm-up as it was)
+        elif self.plan is not None:  # (a linear run given --max-time on resume: planned from
+            self._plan_from_here()     # here on, from the schedule it had)
+
+    def _plan_from_here(self):
+        """A linear run without a plan in its checkpoint (no --max-time until now): its own
+        schedule (linear_decay_lr to its saved --max-updates) goes on until the first plan,
+        and a new --max-updates ends it from the rate it had, as for a plan not yet made."""
+        a, plan = self.args, self.plan
+        saved_cap = self._saved["train"].get("max_updates", 0)
+        plan.warmup_share = None  # (its warm-up as it was)
+        plan.pieces = [[plan.warmup, plan.peak(), saved_cap]] if saved_cap else []
+        plan.total = saved_cap or None
+        if a.max_updates != saved_cap:
+            plan.restart_before_plan(self.update, a.max_updates)
 
     def _resume_plan(self):
         """A planned run resumed (its plan, warm-up and peak as the checkpoint has them):
@@ -258,9 +270,11 @@ class Trainer(CorpusSetUp):
         if not changed:
             return
         flags = " and ".join(f"--{k.replace('_', '-')} {getattr(a, k):g}" for k in changed)
-        ended = plan.done(u) and plan.lr(u) == 0.0
-        more = (a.max_time * 60 > self.train_time and a.max_time > saved.get("max_time", 0)
-                or a.max_updates == 0 or a.max_updates > u)
+        # (ended: the rate reached 0 at its last update, also in a plan capped below the
+        # ~30 updates its first plan waits for)
+        ended = plan.total is not None and u >= plan.total and plan.lr(u) == 0.0
+        more = ("max_time" in changed and a.max_time > saved.get("max_time", 0)
+                or "max_updates" in changed and (a.max_updates == 0 or a.max_updates > u))
         if ended and more:
             raise SystemExit(f"error: {flags} on --resume: this run has finished its plan "
                              f"({plan.total} updates, the learning rate falling to 0 at the "
