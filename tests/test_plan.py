@@ -508,6 +508,18 @@ def test_a_chosen_warmup_that_does_not_fit_the_plan_is_warned_about():
     assert not any("warning" in text for text, _ in events)
 
 
+def test_a_first_plan_past_a_warmup_fitted_to_the_cap_keeps_falling():
+    # capped at 60: the warm-up fitted to the cap (24) is over by the first plan (~30), which
+    # plans the cap: the schedule is linear_decay_lr's throughout (no climb back up)
+    p = plan.DeadlinePlan(budget=10_000.0, d_model=64, warmup=4000, cap=60, warmup_share=0.12)
+    feed(p, 0, plan.SKIP + plan.MEASURE + 1, 1.0, 0.0)
+    assert p.total == 60 and p.warmup == 24
+    factor = math.sqrt(24 / 4000)
+    for step in range(1, 61):
+        assert p.lr(step) == pytest.approx(linear_decay_lr(step, 64, 24, 60, factor),
+                                           rel=1e-12), step
+
+
 def test_a_cap_fits_the_warmup_from_the_first_update():
     # --max-updates 100 or 20, warm-up not chosen: fitted to the cap at once, so the ramp
     # goes to that warm-up's peak (no jump when the first plan comes after ~30 updates) and

@@ -272,7 +272,9 @@ class DeadlinePlan:
         last update's rate ``before`` the rate climbs no faster than the fitted warm-up does
         (peak / w an update), for at most ``WARMUP_MOST`` of the updates left, to the peak
         or as near it as that allows. -> the climb (its last update, the rate there), or None
-        when the warm-up stays as it is. The peak stays the one the warm-up had."""
+        when the warm-up stays as it is or is over. The peak stays the one it had."""
+        if update >= self.warmup:  # (the warm-up is over: the rate only falls from here)
+            return None
         peak = self.peak()
         slope = peak / fitted_warmup(n, self.warmup, self.warmup_share)
         length = min(math.ceil((peak - before) / slope - 1e-9),  # (-1e-9: a rounding)
