@@ -250,6 +250,26 @@ class DeadlinePlan:
         self.total = n
         return self._describe(first, update, elapsed, old)
 
+    def from_fixed_schedule(self, saved_cap, update, cap):
+        """A linear run without a plan (no --max-time until its resume at ``update``): its
+        own schedule (linear_decay_lr to ``saved_cap``, its warm-up as it was) goes on until
+        the first plan; a new ``cap`` ends it from the rate it had (restart_before_plan)."""
+        self.warmup_share = None
+        self.pieces = [[self.warmup, self.peak(), saved_cap]] if saved_cap else []
+        self.total = saved_cap or None
+        if cap != saved_cap:
+            self.restart_before_plan(update, cap)
+
+    def new_budget(self, update, cap):
+        """A --max-time or --max-updates ``cap`` given anew on resume at ``update``: planned
+        for at once (not at the next check), or, before the first plan, the cap ends the
+        schedule from the rate the run had."""
+        self.cap = cap
+        if self.next_check is not None:
+            self.next_check = update
+        elif cap != (self.total or 0):
+            self.restart_before_plan(update, cap)
+
     def restart_before_plan(self, update, cap):
         """A resumed run that stopped before its first plan, given a new --max-updates
         ``cap`` (0: none): with a cap, the schedule falls to 0 at it from this update's rate

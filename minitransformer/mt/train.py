@@ -243,13 +243,8 @@ class Trainer(CorpusSetUp):
         """A linear run without a plan in its checkpoint (no --max-time until now): its own
         schedule (linear_decay_lr to its saved --max-updates) goes on until the first plan,
         and a new --max-updates ends it from the rate it had, as for a plan not yet made."""
-        a, plan = self.args, self.plan
-        saved_cap = self._saved["train"].get("max_updates", 0)
-        plan.warmup_share = None  # (its warm-up as it was)
-        plan.pieces = [[plan.warmup, plan.peak(), saved_cap]] if saved_cap else []
-        plan.total = saved_cap or None
-        if a.max_updates != saved_cap:
-            plan.restart_before_plan(self.update, a.max_updates)
+        self.plan.from_fixed_schedule(self._saved["train"].get("max_updates", 0),
+                                      self.update, self.args.max_updates)
 
     def _resume_plan(self):
         """A planned run resumed (its plan, warm-up and peak as the checkpoint has them):
@@ -288,11 +283,7 @@ class Trainer(CorpusSetUp):
                              "without the flag")
         if ended:
             return
-        plan.cap = a.max_updates
-        if plan.next_check is not None:
-            plan.next_check = u  # (a new budget or cap: re-planned at once)
-        elif a.max_updates != (plan.total or 0):  # (no plan yet: the cap ends the schedule)
-            plan.restart_before_plan(u, a.max_updates)
+        plan.new_budget(u, a.max_updates)
 
     def _check_resumed_schedule(self):
         """The schedule stays on --resume: another --lr-schedule, or --max-time 0 for a run
