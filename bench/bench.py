@@ -196,10 +196,17 @@ class OursRunner(Runner):
 
     def versions(self):
         import minitransformer
-        return dict(framework=f"minitransformer {minitransformer.__version__}",
-                    numpy=np.__version__, blas=common.openblas_info(),
-                    environment={k: os.environ.get(k) for k in
-                                 ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")})
+        out = dict(framework=f"minitransformer {minitransformer.__version__}",
+                   numpy=np.__version__, blas=common.openblas_info(),
+                   environment={k: os.environ.get(k) for k in
+                                ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")})
+        if self.device == "cuda":  # which GPU (the report names it in the machine's block)
+            import cupy
+            rt = cupy.cuda.runtime
+            name = rt.getDeviceProperties(cupy.cuda.Device().id)["name"]
+            out["gpu"] = dict(name=name.decode() if isinstance(name, bytes) else str(name),
+                              cupy=cupy.__version__, cuda_runtime=rt.runtimeGetVersion())
+        return out
 
     def step(self, b, lr):
         """train.py's update (minitransformer/mt/step.py) on batch b, this rank's rows of it

@@ -161,30 +161,55 @@ def _get(d, *keys):
     return d
 
 
-def machine(runs):
-    r = max(runs, key=lambda run: run["date"])  # the machine as last measured
-    m = r["machine"]
+def _machine_key(m):
+    """What tells two runs' machines apart: the CPU, its cores and SIMD, memory, the OS and
+    Python, NumPy and its BLAS as set up for the run."""
     blas = m.get("blas", {})
-    ts = next((run["setup"]["torch"] for run in runs if "torch" in run["setup"]), {})
-    lines = [f"* CPU: {m['cpu']}; {m['usable_cpus']} usable CPUs ({m['logical_cpus']} logical); "
-             f"SIMD: {', '.join(m['simd'])}; {m['mem_gib']} GiB memory",
-             f"* Python {m['python']}, {m['platform']}",
-             f"* NumPy {m['numpy']}, BLAS: {blas.get('config', '?')}; core type in use "
-             f"{blas.get('corename', '?')}, OPENBLAS_CORETYPE={blas.get('OPENBLAS_CORETYPE')}, "
-             f"{blas.get('threads', '?')} threads"]
-    if ts:
-        lines.append(f"* {ts['framework']}; intra-op threads set equal to numpy's BLAS "
-                     f"threads in each run (see the run's label); "
-                     + "; ".join(s.strip() for s in ts["parallel_info"]
-                                 if "Math Kernel" in s or "MKL-DNN" in s or "OpenMP" in s))
+    return (m["cpu"], m["usable_cpus"], m["logical_cpus"], tuple(m["simd"]), m["mem_gib"],
+            m["python"], m["platform"], m["numpy"], blas.get("config"), blas.get("corename"),
+            blas.get("OPENBLAS_CORETYPE"))
+
+
+def machine(runs):
+    """One block per machine the runs were measured on (the CPU rows and a GPU's come from
+    different machines), each naming its runs, then each run's load and GEMM peak."""
+    groups = {}
     for run in runs:
-        g = run.get("gemm", {})
-        extra = ", ".join(f"{fw} {v['gflops']:.0f}" for fw, v in g.items())
-        lines.append(f"* {run['config']} ({_where(run)}), {run['date']}: load average at start "
-                     f"{_load_str(run['machine']['loadavg'])}, at the end "
-                     f"{_load_str(run.get('loadavg_end'))}; float32 GEMM peak (MFU denominator, "
-                     f"{run['peak']['how']}) {run['peak']['gflops']:.0f} GFLOP/s; measured "
-                     f"again after training (GFLOP/s): {extra}")
+        groups.setdefault(_machine_key(run["machine"]), []).append(run)
+    lines = []
+    for i, members in enumerate(groups.values()):
+        m = members[0]["machine"]
+        blas = m.get("blas", {})
+        if len(groups) > 1:
+            if i:
+                lines.append("")
+            lines += [f"Machine {i + 1} of {len(groups)}, for "
+                      + ", ".join(f"{r['config']} ({_where(r)})" for r in members) + ":", ""]
+        lines += [f"* CPU: {m['cpu']}; {m['usable_cpus']} usable CPUs ({m['logical_cpus']} "
+                  f"logical); SIMD: {', '.join(m['simd'])}; {m['mem_gib']} GiB memory",
+                  f"* Python {m['python']}, {m['platform']}",
+                  f"* NumPy {m['numpy']}, BLAS: {blas.get('config', '?')}; core type in use "
+                  f"{blas.get('corename', '?')}, OPENBLAS_CORETYPE="
+                  f"{blas.get('OPENBLAS_CORETYPE')}, {blas.get('threads', '?')} threads"]
+        gpu = next((r["setup"]["ours"]["gpu"] for r in members
+                    if "gpu" in r["setup"].get("ours", {})), None)
+        if gpu:
+            lines.append(f"* GPU: {gpu['name']}; CuPy {gpu['cupy']}, CUDA runtime "
+                         f"{gpu['cuda_runtime']}")
+        ts = next((r["setup"]["torch"] for r in members if "torch" in r["setup"]), {})
+        if ts:
+            lines.append(f"* {ts['framework']}; intra-op threads set equal to numpy's BLAS "
+                         f"threads in each run (see the run's label); "
+                         + "; ".join(s.strip() for s in ts["parallel_info"]
+                                     if "Math Kernel" in s or "MKL-DNN" in s or "OpenMP" in s))
+        for run in members:
+            g = run.get("gemm", {})
+            extra = ", ".join(f"{fw} {v['gflops']:.0f}" for fw, v in g.items())
+            lines.append(f"* {run['config']} ({_where(run)}), {run['date']}: load average at "
+                         f"start {_load_str(run['machine']['loadavg'])}, at the end "
+                         f"{_load_str(run.get('loadavg_end'))}; float32 GEMM peak (MFU "
+                         f"denominator, {run['peak']['how']}) {run['peak']['gflops']:.0f} "
+                         f"GFLOP/s; measured again after training (GFLOP/s): {extra}")
     return "\n".join(lines)
 
 

@@ -110,3 +110,32 @@ def test_all_adds_the_papers_base_model_on_a_gpu_only():
         ["tiny", "base-lite", "base"]
     assert common.model_config("base")["vocab_size"] == 37000
     assert bench.selected_configs(bench.parse_args([])) == ["tiny"]
+
+
+def _run(config, device, cpu, date):
+    """A run's record as report.machine reads it: the machine's fields and the run's own."""
+    machine = dict(cpu=cpu, usable_cpus=2, logical_cpus=2, simd=["avx2"], mem_gib=24.0,
+                   python="3.11.7", platform="Linux", numpy="2.4.6", loadavg=[0.1, 0.1, 0.1],
+                   blas=dict(config="OpenBLAS", corename="SkylakeX", threads=2,
+                             OPENBLAS_CORETYPE="SkylakeX"))
+    return dict(config=config, device=device, date=date, machine=machine, loadavg_end=None,
+                settings=dict(threads=2), setup={"ours": {}},
+                peak=dict(how="numpy float32 matmul", gflops=400.0), gemm={})
+
+
+def test_report_describes_each_machine_its_runs_were_measured_on():
+    """Rows measured on two machines (the CPU rows on one, a GPU's on another): the report's
+    machine section has a block for each, naming its runs, not only the last run's CPU."""
+    import report
+    runs = [_run("tiny", "cpu", "AMD EPYC", "2026-11-26 20:05 UTC"),
+            _run("base-lite", "cpu", "AMD EPYC", "2026-11-26 18:12 UTC"),
+            _run("tiny", "cuda", "Intel Xeon", "2026-11-26 23:38 UTC")]
+    text = report.machine(runs)
+    first, second = text.split("Machine 2 of 2, for ")
+    assert first.startswith("Machine 1 of 2, for tiny (cpu, 2 threads, load 0.1), "
+                            "base-lite (cpu, 2 threads, load 0.1):")
+    assert "* CPU: AMD EPYC;" in first and "Intel Xeon" not in first
+    assert second.startswith("tiny (cuda, 2 threads, load 0.1):")
+    assert "* CPU: Intel Xeon;" in second and "AMD EPYC" not in second
+    one = report.machine(runs[:2])  # one machine: no numbered blocks
+    assert "Machine 1" not in one and one.startswith("* CPU: AMD EPYC;")

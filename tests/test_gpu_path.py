@@ -156,6 +156,8 @@ def test_bench_device_cuda_runs_through_on_the_stand_in(tmp_path, precision):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cuda" in proc.stdout and results.exists()
+    # the report names the GPU it ran on (the stand-in's name) in the machine's block
+    assert "* GPU: CUDA-on-CPU stand-in; CuPy " in results.read_text()
 
 
 @pytest.mark.skipif(REAL_GPU, reason="sets the stand-in's device memory")
