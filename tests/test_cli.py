@@ -328,3 +328,49 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
                      "--valid-every", "100000") == 0
     last = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))
     assert last[2]["update"] == stopped + 3
+
+
+def _records(run):
+    """metrics.jsonl's update lines and validations, less what depends on the clock."""
+    out = []
+    for line in open(os.path.join(run, "metrics.jsonl")):
+        rec = json.loads(line)
+        if "valid_loss" in rec or "loss" in rec:
+            out.append({k: v for k, v in rec.items() if k not in ("time", "tokens_per_s")})
+    return out
+
+
+def test_a_signal_during_an_update_that_validates_is_caught_up_on_resume(tmp_path, capsys,
+                                                                          monkeypatch):
+    """SIGTERM while update 10 runs, where 10 is due a log line, a validation and periodic
+    checkpoints: the run stops after that update at once (its log line is written), and
+    --resume validates and saves update 10 before update 11. The resumed run's log, its
+    validations, its periodic and best checkpoints are those of the uninterrupted run."""
+    opts = ["--max-updates", "20", "--valid-every", "10", "--log-every", "5"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run_train("--run-dir", straight, *opts) == 0
+    real_update = train_cli.Trainer.train_update
+
+    def signalled_at_10(self):
+        if self.update == 9:  # (update 10 is being made)
+            os.kill(os.getpid(), signal.SIGTERM)  # (StopSignals notes it)
+        return real_update(self)
+
+    monkeypatch.setattr(train_cli.Trainer, "train_update", signalled_at_10)
+    assert run_train("--run-dir", split, *opts) == 128 + signal.SIGTERM
+    said = capsys.readouterr().out
+    assert "SIGTERM: stopped at update 10; saved" in said
+    assert ("continue with --resume (which first writes its validation and checkpoints, due "
+            "after update 10)") in said
+    monkeypatch.setattr(train_cli.Trainer, "train_update", real_update)
+    meta = ckpt.load_checkpoint(os.path.join(split, "checkpoint_last.npz"))[2]
+    assert meta["update"] == 10
+    assert [r["update"] for r in _records(split)] == [1, 5, 10]  # (its validation: on resume)
+    assert run_train("--run-dir", split, *opts, "--resume") == 0
+    assert _records(split) == _records(straight)
+    for name in ("checkpoint_10.npz", "checkpoint_20.npz", "checkpoint_best.npz",
+                 "checkpoint_last.npz"):
+        a, b = (params_of(os.path.join(d, name)) for d in (straight, split))
+        assert all(np.array_equal(a[k], b[k]) for k in a), name
+        ma, mb = (ckpt.load_checkpoint(os.path.join(d, name))[2] for d in (straight, split))
+        assert (ma["update"], ma["best_bleu"]) == (mb["update"], mb["best_bleu"]), name

@@ -162,6 +162,9 @@ class Trainer(CorpusSetUp):
         self.train_time = 0.0
         self.guard = DivergenceGuard(a.max_bad_updates)  # float32 (float16: the scaler)
         self.saved_update = None  # the update of the newest checkpoint
+        # a signal stopped the run right after update ``self.update``, before the validation
+        # and checkpoints due after it: --resume does them first (``_loop``)
+        self.catch_up = False
         self.last_batch = None  # (pairs, S, T) of the batch in hand, for an out-of-memory report
         self.plan = None
         if plans_to_deadline(a):
@@ -193,6 +196,8 @@ class Trainer(CorpusSetUp):
             meta["loss_scale"] = self.scaler.state_dict()
         if self.plan is not None:
             meta["plan"] = self.plan.state_dict()
+        if self.catch_up:
+            meta["catch_up"] = True
         return meta
 
     def save(self, *paths):
@@ -219,6 +224,7 @@ class Trainer(CorpusSetUp):
         self.optim.load_state_dict({**optim, **meta["optim"]})
         self.update, self.best_bleu = meta["update"], meta["best_bleu"]
         self.train_time = meta.get("train_time", 0.0)
+        self.catch_up = bool(meta.get("catch_up", False))
         if meta.get("train_pairs", self.train_pairs) != self.train_pairs:
             raise DataError(f"{path}: the run trained on {meta['train_pairs']} pairs, but "
                             f"{self.files[self.args.train_split][0]} and its target file now "
@@ -431,8 +437,12 @@ class Trainer(CorpusSetUp):
                 if self.comm:  # every rank stops here, with the same status
                     self.comm.agreed_stop = True
                 self.save(self.rd.last)
+                due = {"valid": "its validation and checkpoints", "save": "its checkpoint"}.get(
+                    self._due() if self.catch_up else None)
                 log.info(f"{signal.Signals(stop.signum).name}: stopped at update "
-                         f"{self.update}; saved {self.rd.last}; continue with --resume")
+                         f"{self.update}; saved {self.rd.last}; continue with --resume"
+                         + (f" (which first writes {due}, due after update {self.update})"
+                            if due else ""))
             elif self.valid is not None and self.update % self.args.valid_every != 0:
                 self._validate_and_save(log)
             else:
@@ -450,6 +460,9 @@ class Trainer(CorpusSetUp):
     def _loop(self, log, stop):
         """Updates until a stopping rule (-> its description) or a signal (-> None)."""
         self.start = start = self.clock() - self.train_time  # the run's time, over resumes
+        if self.catch_up:  # resumed from a stop right after an update: what was due after it
+            self.catch_up = False  # (before the checkpoints it writes)
+            self._checkpoints_due(log)
         while True:
             reason = self._stop_reason(self.clock() - start, stop, log)
             if reason is not None:
@@ -466,9 +479,13 @@ class Trainer(CorpusSetUp):
                          f"update skipped ({self.guard.bad_in_a_row} in a row, the run stops at "
                          f"--max-bad-updates {self.args.max_bad_updates})")
             if stop.signum is not None and not self.comm:  # (ranks: at the loop's top)
+                if self.update != before:  # stop now: the update's log line is written,
+                    self._log_line(log)    # its validation and checkpoints wait for --resume
+                    self.catch_up = True
                 return None
             if self.update != before:
-                self._after_update(log)
+                self._log_line(log)
+                self._checkpoints_due(log)
 
     def _stop_reason(self, elapsed, stop, log):
         """Why training stops before the next update, or None to go on. Under mpiexec all
@@ -496,21 +513,32 @@ class Trainer(CorpusSetUp):
             return f"reached --max-time {a.max_time} min"
         return None
 
-    def _after_update(self, log):
-        """The log line, validation and checkpoints due after update ``self.update``."""
-        a = self.args
-        if self.update % a.log_every == 0 or self.update == 1:
+    def _log_line(self, log):
+        """The log line of update ``self.update``, when one is due."""
+        if self.update % self.args.log_every == 0 or self.update == 1:
             log.update_line(self.update, self.batches.state_dict()["epoch"], self.optim.lr,
                             self.train_time, self.scaler.scale if self.scaler else None)
+
+    def _due(self):
+        """What is due after update ``self.update``: "valid" (a validation and its
+        checkpoints), "save" (a periodic checkpoint) or None."""
+        a = self.args
         if self.valid is not None and self.update % a.valid_every == 0:
+            return "valid"
+        if ((a.save_every and self.update % a.save_every == 0)
+                or (self.plan is not None and self.plan.saves_at(self.update))):
+            return "save"
+        return None
+
+    def _checkpoints_due(self, log):
+        """The validation and checkpoints due after update ``self.update``."""
+        done = self._due()
+        if done == "valid":
             self._validate_and_save(log)
-            done = "valid"
-        elif ((a.save_every and self.update % a.save_every == 0)
-              or (self.plan is not None and self.plan.saves_at(self.update))):
+        elif done == "save":
             self.save(self.rd.periodic(self.update), self.rd.last)
             if self.main:  # (rank 0 writes the checkpoints and removes the old ones)
-                self.rd.prune(a.keep_last)
-            done = "save"
+                self.rd.prune(self.args.keep_last)
         else:
             return
         if self.plan is not None:  # (after the save: a checkpoint holds the plan without it)
