@@ -374,3 +374,39 @@ def test_a_signal_during_an_update_that_validates_is_caught_up_on_resume(tmp_pat
         assert all(np.array_equal(a[k], b[k]) for k in a), name
         ma, mb = (ckpt.load_checkpoint(os.path.join(d, name))[2] for d in (straight, split))
         assert (ma["update"], ma["best_bleu"]) == (mb["update"], mb["best_bleu"]), name
+
+
+def _rates(run):
+    return {r["update"]: r["lr"] for r in _records(run) if "lr" in r}
+
+
+def test_a_linear_run_given_more_updates_on_resume_goes_on_from_its_rate(tmp_path):
+    """--lr-schedule linear, 80 updates, stopped after its first epoch (--max-epochs),
+    resumed with --max-updates 200: the rate goes on from that of its last update in a
+    straight line to 0 at 200 (it jumped: the schedule was recomputed for 200 updates);
+    resumed again, unchanged, the line holds; a finished run is not extended, nor an
+    unfinished one cut where it stands."""
+    from minitransformer.optim import linear_decay_lr
+    run = str(tmp_path / "run")
+    opts = ["--lr-schedule", "linear", "--warmup", "10", "--log-every", "1",
+            "--valid-every", "1000"]
+    assert run_train("--run-dir", run, *opts, "--max-updates", "80", "--max-epochs", "1") == 0
+    stopped = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"]
+    assert 10 < stopped < 80  # (past the warm-up; one epoch is fewer than 80 updates)
+    rate = _rates(run)[stopped]
+    assert rate == linear_decay_lr(stopped, 32, 10, 80)
+    with pytest.raises(SystemExit, match=f"has made {stopped} of its 80 updates"):
+        run_train("--run-dir", run, *opts, "--max-updates", str(stopped), "--resume",
+                  "--max-epochs", "0")
+    assert run_train("--run-dir", run, *opts, "--max-updates", "200", "--resume",
+                     "--max-epochs", "2") == 0
+    mid = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]
+    assert mid["linear_from"] == [stopped, rate] and stopped < mid["update"] < 200
+    assert run_train("--run-dir", run, *opts, "--resume", "--max-epochs", "0") == 0
+    rates = _rates(run)
+    assert max(rates) == 200 and rates[200] == 0.0
+    for u in range(stopped + 1, 201):  # one straight line from update `stopped` on
+        assert rates[u] == pytest.approx(rate * (200 - u) / (200 - stopped), rel=1e-12), u
+    assert rates[stopped + 1] / rates[stopped] > 0.98  # no jump
+    with pytest.raises(SystemExit, match=r"has finished its linear schedule \(200 updates"):
+        run_train("--run-dir", run, *opts, "--max-updates", "300", "--resume")

@@ -165,6 +165,9 @@ class Trainer(CorpusSetUp):
         # a signal stopped the run right after update ``self.update``, before the validation
         # and checkpoints due after it: --resume does them first (``_loop``)
         self.catch_up = False
+        # (update, rate): a linear run (no plan) whose --max-updates changed on --resume
+        # falls from this rate at this update in a straight line to 0 at its --max-updates
+        self.linear_from = None
         self.last_batch = None  # (pairs, S, T) of the batch in hand, for an out-of-memory report
         self.plan = None
         if plans_to_deadline(a):
@@ -198,6 +201,8 @@ class Trainer(CorpusSetUp):
             meta["plan"] = self.plan.state_dict()
         if self.catch_up:
             meta["catch_up"] = True
+        if self.linear_from is not None:
+            meta["linear_from"] = list(self.linear_from)
         return meta
 
     def save(self, *paths):
@@ -244,6 +249,45 @@ class Trainer(CorpusSetUp):
             self._resume_plan()
         elif self.plan is not None:  # (a linear run given --max-time on resume: planned from
             self._plan_from_here()     # here on, from the schedule it had)
+        elif self.args.lr_schedule == "linear":
+            self.linear_from = meta.get("linear_from")
+            self._resume_linear()
+
+    def _resume_linear(self):
+        """A linear run without a plan given another --max-updates on --resume: its rate
+        goes on from that of its last update in a straight line to 0 at the new
+        --max-updates (``linear_from``), with no jump (a warm-up not yet over still ends at the
+        peak, and the line starts there). A run that has finished (its rate fell to 0 at its
+        last update) is not extended, and an unfinished one is not stopped where it stands,
+        unannealed: both refused before any work, as for a planned run."""
+        a, u = self.args, self.update
+        old = self._saved["train"].get("max_updates", a.max_updates)
+        if "max_updates" not in a.explicit or a.max_updates == old or not old:
+            return
+        rate = self._linear_lr(u, old)  # that of its last update, on the schedule it had
+        flag = f"--max-updates {a.max_updates}"
+        if u >= old and a.max_updates > u:
+            raise SystemExit(f"error: {flag} on --resume: this run has finished its linear "
+                             f"schedule ({old} updates, the learning rate falling to 0 at the "
+                             "last), so there is no schedule left to extend: train longer in a "
+                             "new --run-dir, or resume without the flag to validate and test "
+                             "again")
+        if u < old and a.max_updates <= u:
+            raise SystemExit(f"error: {flag} on --resume: this run has made {u} of its {old} "
+                             "updates and its rate is not yet 0; that would stop it where it "
+                             "stands, unannealed: give more, or resume without the flag")
+        if u >= old:
+            return
+        self.linear_from = [u, rate] if u > a.warmup else None
+
+    def _linear_lr(self, update, total):
+        """The linear schedule's rate at ``update`` for --max-updates ``total``: warm-up,
+        then a straight line to 0 at ``total`` (from ``linear_from`` when it is set)."""
+        a = self.args
+        if self.linear_from is not None and update > self.linear_from[0]:
+            u0, r0 = self.linear_from
+            return r0 * max(total - update, 0) / max(total - u0, 1)
+        return linear_decay_lr(update, self.cfg.d_model, a.warmup, total, a.lr_factor)
 
     def _plan_from_here(self):
         """A linear run without a plan in its checkpoint (no --max-time until now): its own
@@ -316,7 +360,7 @@ class Trainer(CorpusSetUp):
         if self.plan is not None:
             return self.plan.lr(update)
         if a.lr_schedule == "linear":
-            return linear_decay_lr(update, self.cfg.d_model, a.warmup, a.max_updates, a.lr_factor)
+            return self._linear_lr(update, a.max_updates)
         return noam_lr(update, self.cfg.d_model, a.warmup, a.lr_factor)
 
     def train_update(self):
