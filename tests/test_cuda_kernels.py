@@ -69,7 +69,7 @@ def test_row_kernels_compile_with_nvrtc(arch):
     names = ck.row_kernel_names()
     lowered = _compile(nvrtc, ck.ROW_KERNELS_SOURCE, names,
                        ck.ROW_KERNEL_OPTIONS + (f"-arch={arch}",))
-    assert len(names) == 15 and all(lowered)
+    assert len(names) == 18 and all(lowered)
 
 
 def elementwise_as_raw_kernel(in_params, out_params, operation, ctype):
@@ -451,6 +451,122 @@ class TestParity:
         dh = (backend.to_numpy(z) @ w) * scale - dtype(c_o) * valid[:, None] * w_sum
         assert_close(row_loss.sum(), loss_ref.data, RTOL[dtype] * 10, 0, "loss")
         assert_close(dh, ht.grad, RTOL[dtype] * 100, ATOL[dtype] * 10, "dh")
+
+    # a decoding step's attention
+    @staticmethod
+    def decode_reference(q, keys, values, n, group=1, bias=None):
+        """attention.py's formulas in float64 on the host: q (R, H, K), keys/values
+        (N, H, L, K), bias (N, S) or None -> (R, H*K)."""
+        R, H, K = q.shape
+        i = np.arange(R) // group
+        k, v = keys[i, :, :n].astype(np.float64), values[i, :, :n].astype(np.float64)
+        s = np.einsum("rhc,rhjc->rhj", q.astype(np.float64) / np.sqrt(K), k)
+        if bias is not None:
+            s = s + bias[i, None, :n]
+        m = s.max(axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(s - m)
+        z = e.sum(axis=-1, keepdims=True)
+        p = e / np.where(z == 0, 1.0, z)
+        return np.einsum("rhj,rhjc->rhc", p, v).reshape(R, H * K)
+
+    @pytest.mark.parametrize("dtype", FLOATS)
+    @pytest.mark.parametrize("K, n, L", [(32, 1, 64), (24, 37, 40), (64, 300, 300)])
+    def test_decode_attention_cross(self, cp, dtype, K, n, L, assert_close):
+        """Encoder-decoder attention: 3 beams a sentence share its keys and values; one
+        sentence's source is padding from key 5 on, another's fully masked (its rows: 0);
+        more keys than threads (300)."""
+        rng = _rng()
+        N, H, g = 4, 3, 3
+        q = rng.standard_normal((N * g, H, K)).astype(dtype)
+        keys, values = (rng.standard_normal((N, H, L, K)).astype(dtype) for _ in range(2))
+        bias = np.zeros((N, 1, 1, L), dtype)
+        bias[1, ..., 5:] = -np.inf
+        bias[2] = -np.inf
+        want = self.decode_reference(q, keys, values, n, g, bias[:, 0, 0])
+        out = ck.decode_attention(cp.asarray(q), cp.asarray(keys), cp.asarray(values), n,
+                                  group=g, bias=cp.asarray(bias))
+        assert out.shape == (N * g, H * K) and out.dtype == dtype
+        out = backend.to_numpy(out)
+        assert (out[2 * g:3 * g] == 0).all()  # fully masked: zeros, no NaN
+        assert_close(out, want, RTOL[dtype] * 10, ATOL[dtype] * 10, "attention output")
+
+    @pytest.mark.parametrize("dtype", FLOATS)
+    @pytest.mark.parametrize("K, n", [(32, 1), (16, 45)])
+    def test_decode_attention_self_writes_the_new_key_and_value(self, cp, dtype, K, n,
+                                                                assert_close):
+        """Self-attention: the query, key and value heads are views of one fused q/k/v
+        product (R, 3H, 1, K); the kernel writes this step's key and value at position
+        n - 1 of the cache's buffers (which have more rows and room than used) and
+        attends over positions 0 .. n-1, the new one included."""
+        rng = _rng()
+        R, H, cap = 5, 2, 64
+        heads = rng.standard_normal((R, 3 * H, 1, K)).astype(dtype)
+        k_buf, v_buf = (rng.standard_normal((R + 2, H, cap, K)).astype(dtype)
+                        for _ in range(2))
+        want_k, want_v = k_buf.copy(), v_buf.copy()
+        want_k[:R, :, n - 1] = heads[:, H:2 * H, 0]
+        want_v[:R, :, n - 1] = heads[:, 2 * H:, 0]
+        want = self.decode_reference(heads[:, :H, 0], want_k, want_v, n)
+        hc, kc, vc = cp.asarray(heads), cp.asarray(k_buf), cp.asarray(v_buf)
+        out = ck.decode_attention(hc[:, :H], kc, vc, n, k_new=hc[:, H:2 * H],
+                                  v_new=hc[:, 2 * H:])
+        np.testing.assert_array_equal(backend.to_numpy(kc), want_k)  # only position n - 1
+        np.testing.assert_array_equal(backend.to_numpy(vc), want_v)  # of rows < R changed
+        assert_close(backend.to_numpy(out), want, RTOL[dtype] * 10, ATOL[dtype] * 10,
+                     "attention output")
+
+    def test_decode_attention_float16(self, cp, assert_close):
+        rng = _rng()
+        q = rng.standard_normal((6, 4, 32)).astype(np.float16)
+        keys, values = (rng.standard_normal((2, 4, 20, 32)).astype(np.float16)
+                        for _ in range(2))
+        bias = np.zeros((2, 1, 1, 20), np.float32)
+        bias[1, ..., 7:] = -np.inf
+        out16 = ck.decode_attention(cp.asarray(q), cp.asarray(keys), cp.asarray(values), 20,
+                                    group=3, bias=cp.asarray(bias))
+        assert out16.dtype == np.float16
+        want = self.decode_reference(q, keys, values, 20, 3, bias[:, 0, 0])
+        assert_close(backend.to_numpy(out16).astype(np.float64), want, 1e-2, 1e-2,
+                     "float16 attention output")
+
+    @pytest.mark.parametrize("dtype", FLOATS)
+    def test_decode_attention_matches_the_primitives(self, cp, dtype, monkeypatch,
+                                                     assert_close):
+        """The numbers of the route it replaces on the same device (fused kernels off:
+        attention_probabilities, the product with v, merge_heads), a cross-attention with
+        beams and a masked tail."""
+        from minitransformer.engine.attention import attention_probabilities
+        from minitransformer.settings import SETTINGS
+        rng = _rng()
+        N, g, H, K, S = 3, 4, 4, 32, 29
+        q = rng.standard_normal((N * g, H, K)).astype(dtype)
+        keys, values = (rng.standard_normal((N, H, S, K)).astype(dtype) for _ in range(2))
+        acc = np.float64 if dtype == np.float64 else np.float32
+        bias = np.zeros((N, 1, 1, S), acc)
+        bias[0, ..., 11:] = -np.inf
+        kc, vc, bc = cp.asarray(keys), cp.asarray(values), cp.asarray(bias)
+        monkeypatch.setattr(SETTINGS, "fused", False)
+        qb = cp.ascontiguousarray(cp.asarray(q).reshape(N, g, H, K).transpose(0, 2, 1, 3))
+        want = (attention_probabilities(qb, kc, bc) @ vc).transpose(0, 2, 1, 3)
+        want = backend.to_numpy(want.reshape(N * g, H * K))
+        monkeypatch.setattr(SETTINGS, "fused", True)
+        got = ck.decode_attention(cp.asarray(q), kc, vc, S, group=g, bias=bc)
+        assert_close(backend.to_numpy(got), want, RTOL[dtype] * 10, ATOL[dtype] * 10,
+                     "attention output")
+
+    def test_decode_attention_refuses_what_it_cannot_take(self, cp):
+        q = cp.zeros((2, 2, 8), dtype=np.float32)
+        kv = cp.zeros((2, 2, 10, 8), dtype=np.float32)
+        for kwargs, match in (({"n": 11}, "n=11 keys of 10"), ({"n": 0}, "n=0"),
+                              ({"n": 5, "group": 1, "bias": cp.zeros((2, 1, 1, 4))},
+                               "bias must be"),
+                              ({"n": 5, "k_new": q}, "k_new and v_new come together")):
+            n = kwargs.pop("n")
+            with pytest.raises(ValueError, match=match):
+                ck.decode_attention(q, kv, kv, n, **kwargs)
+        with pytest.raises(ValueError, match="need 3 sentences, keys hold 2"):
+            ck.decode_attention(cp.zeros((5, 2, 8), dtype=np.float32), kv, kv, 5, group=2)
 
     # Adam
     @pytest.mark.parametrize("dtype", FLOATS)

@@ -84,3 +84,62 @@ def test_host_and_device_targets_give_the_same_loss():
     assert float(loss_host.data) == float(loss_dev.data)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model.loss(src, tgt_in, np.where(np.asarray(tgt_out) > 0, 60, 0))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_decoding_steps_with_the_attention_kernel_match_forward(dtype, monkeypatch):
+    """On the device a decoding step's attention is cuda_kernels.decode_attention (the cache's
+    append, attention and merge_heads in one kernel): its scores equal, to the summation
+    order, those of the same step without it (fused kernels off) and of the decoder's
+    forward with its cache (the uncached route), through greedy rows, three beams a
+    sentence with reordered histories, a sentence gone, and a cache grown past its first
+    capacity; greedy and beam search give the same outputs either way."""
+    from minitransformer.engine import cuda_kernels
+    from minitransformer.mt.search import beam_search, greedy_search
+    from minitransformer.nn.decoder_state import SelfCache
+    from minitransformer.settings import SETTINGS
+    cfg = TransformerConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2,
+                            dropout=0.0)
+    model = Transformer(cfg, seed=5, device=DEVICE, dtype=dtype)
+    model.eval()
+    rng = np.random.default_rng(3)
+    src = rng.integers(4, 40, (3, 7))
+    src[1, 4:] = 0  # padding: the source mask's bias reaches the kernel
+    history = rng.integers(4, 40, (3, 5))
+    history[:, 0] = cfg.bos_id
+    nxt = rng.integers(4, 40, (6, 2))
+    calls = []
+    real = cuda_kernels.decode_attention
+    monkeypatch.setattr(cuda_kernels, "decode_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(SelfCache, "BUFFER_BYTES", 2 * 32 * 4 * dtype().itemsize)  # cap 2
+
+    def run(fused):
+        monkeypatch.setattr(SETTINGS, "fused", fused)
+        state = model.start_decoding(src)
+        out = []
+        for t in range(history.shape[1]):
+            out.append(model.next_scores(history[:, t:t + 1], state))
+        state.keep_sentences(np.array([2, 0]), rows=np.array([2, 2, 2, 0, 0, 0]), group=3)
+        out.append(model.next_scores(nxt[:, :1], state))
+        state.reorder_beams(np.array([1, 0, 0, 5, 3, 4]))
+        out.append(model.next_scores(nxt[:, 1:], state))
+        return [backend.to_numpy(o) for o in out]
+
+    plain = run(False)
+    assert not calls
+    fused = run(True)
+    assert len(calls) == 2 * cfg.n_layers * 7  # self and cross, each layer, each step
+    rtol = 1e-12 if dtype == np.float64 else 1e-5
+    for a, b in zip(fused, plain):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol)
+    memory, mask = model.encode(src)  # the first steps against forward, uncached
+    whole = model.logits(model.decode(history, memory, mask)).data[:, -1]
+    np.testing.assert_allclose(fused[history.shape[1] - 1], backend.to_numpy(whole),
+                               rtol=rtol, atol=rtol)
+    outputs = {}
+    for on in (False, True):
+        monkeypatch.setattr(SETTINGS, "fused", on)
+        outputs[on] = (greedy_search(model, src, max_len_a=6),
+                       beam_search(model, src, beam=3, max_len_a=6))
+    assert outputs[True] == outputs[False]

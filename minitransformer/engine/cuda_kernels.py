@@ -10,6 +10,8 @@ order and contracted multiply-adds.
     dropout_residual                            ops.py Dropout, then the residual add
     smoothed_ce_chunk                           linear_cross_entropy.py, one chunk of rows
     top_m_log_softmax                           mt/selection.py top_m + log_softmax_at
+    decode_attention                            attention.py on one query a row (a decoding
+                                                step), merge_heads after it
     adam_update_                                optim/adam.py, one parameter array
 
 Two kinds of kernel:
@@ -31,7 +33,8 @@ from .. import backend
 from ..settings import SETTINGS
 from .cuda_source import (  # noqa: F401  (the tests read the source through this module)
     ELEMENTWISE_PREAMBLE, ELEMENTWISE_SPECS, MAX_THREADS, ROW_KERNEL_OPTIONS, ROW_KERNELS,
-    ROW_KERNELS_SOURCE, STORAGE_TYPES, TOP_M_MAX, row_kernel_names)
+    DECODE_MAX_K, DECODE_MAX_KEYS, ROW_KERNELS_SOURCE, STORAGE_TYPES, TOP_M_MAX,
+    row_kernel_names)
 
 _kernels = {}  # name -> compiled RawModule / ElementwiseKernel, built on first use
 
@@ -266,6 +269,89 @@ def top_m_log_softmax(z, m, skip=()):
             (R,), (_threads(V),),
             (z, best, lp, np.int32(V), np.int32(m), np.int64(skip[0]), np.int64(skip[1])))
     return best, lp
+
+
+# ---- a decoding step's attention ---------------------------------------------------------------
+def fits_decode_attention(xp, K, n):
+    """Whether decode_attention takes a step's attention on arrays of module ``xp``: the fused
+    path on CuPy (``use_for``), heads of K <= DECODE_MAX_K values, n <= DECODE_MAX_KEYS keys."""
+    return use_for(xp) and 1 <= K <= DECODE_MAX_K and 1 <= n <= DECODE_MAX_KEYS
+
+
+def _elements(a, axis, what):
+    """a's stride along ``axis`` in elements (a whole number of them: checked)."""
+    st = a.strides[axis]
+    if st % a.itemsize:
+        raise ValueError(f"decode_attention: {what} has a stride of {st} bytes, not a whole "
+                         "number of elements")
+    return st // a.itemsize
+
+
+def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=None):
+    """One decoding step's attention, as attention.py's arrays then merge_heads (what
+    MultiHeadAttention.step runs on NumPy), in one kernel:
+
+        qs = q * (1 / sqrt(K)),  s_j = qs . keys[i, h, j]  (j < n),
+        p = softmax(s + bias[i]) over j (a fully masked row: 0),
+        out[r, h*K:(h+1)*K] = sum_j p_j values[i, h, j]           with i = r // group
+
+    q: (R, H, K), or (R, H, 1, K) (the query heads of the fused q/k/v product: a view with
+    row and head strides; a head's K values contiguous). keys, values: (N, H, L, K) with
+    L >= n, K contiguous (a self-attention cache's buffers, or a sentence's encoder-decoder
+    keys and values, shared by its ``group`` rows). bias: None, or the additive key mask
+    (N, ..., S) in the accumulator dtype (engine/attention.key_bias), S >= n, contiguous
+    along S. k_new, v_new (self-attention; group 1): this step's keys and values, strides as
+    q, written at position n - 1 of keys and values first (the cache's append). Each step is
+    rounded to q's dtype as the array ops round it; float16 accumulates in float32; only
+    the summation order differs. Returns out (R, H*K) in q's dtype. One block per (row,
+    head) (``fits_decode_attention`` says which sizes).
+    """
+    cp = _cupy()
+    R, H, K = q.shape[0], q.shape[1], q.shape[-1]
+    if q.ndim not in (3, 4) or q.size != R * H * K:
+        raise ValueError(f"decode_attention: q must be (R, H, K) or (R, H, 1, K), got "
+                         f"{tuple(q.shape)}")
+    if keys.ndim != 4 or keys.shape != values.shape or keys.strides != values.strides \
+            or keys.shape[1] != H or keys.shape[3] != K:
+        raise ValueError(f"decode_attention: keys and values must be (N, {H}, L, {K}) alike, "
+                         f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+    if not 1 <= n <= min(keys.shape[2], DECODE_MAX_KEYS) or K > DECODE_MAX_K:
+        raise ValueError(f"decode_attention: n={n} keys of {keys.shape[2]} (at most "
+                         f"{DECODE_MAX_KEYS}) and K={K} (at most {DECODE_MAX_K})")
+    if (R + group - 1) // group > keys.shape[0]:
+        raise ValueError(f"decode_attention: {R} rows in groups of {group} need "
+                         f"{(R + group - 1) // group} sentences, keys hold {keys.shape[0]}")
+    for a, what in ((q, "q"), (keys, "keys"), (values, "values"), (k_new, "k_new"),
+                    (v_new, "v_new")):
+        if a is not None and (a.dtype != q.dtype or a.strides[-1] != a.itemsize):
+            raise ValueError(f"decode_attention: {what} must be {q.dtype} with its last axis "
+                             "contiguous")
+    has_new = k_new is not None
+    if has_new and (v_new is None or k_new.shape != q.shape or v_new.shape != q.shape
+                    or k_new.strides != q.strides or v_new.strides != q.strides or group != 1):
+        raise ValueError("decode_attention: k_new and v_new come together, shaped and strided "
+                         "as q, with group 1")
+    acc = np.float64 if q.dtype == np.float64 else np.float32
+    bs = 0
+    if bias is not None:
+        if bias.dtype != acc or bias.strides[-1] != bias.itemsize or bias.shape[-1] < n \
+                or bias.shape[0] != keys.shape[0]:
+            raise ValueError(f"decode_attention: bias must be ({keys.shape[0]}, ..., S >= {n}) "
+                             f"in {np.dtype(acc)}, contiguous along S")
+        bs = _elements(bias, 0, "bias")
+    out = cp.empty((R, H * K), dtype=q.dtype)
+    if R:
+        scale = float(np.dtype(q.dtype).type(1.0 / np.sqrt(K)))  # rounded as q * scale rounds
+        _row_kernel("decode_attention", q.dtype)(
+            (R * H,), (_threads(max(K, n)),),
+            (q, k_new if has_new else q, v_new if has_new else q,
+             np.int64(_elements(q, 0, "q")), np.int64(_elements(q, 1, "q")),
+             keys, values, np.int64(_elements(keys, 0, "keys")),
+             np.int64(_elements(keys, 1, "keys")), np.int64(_elements(keys, 2, "keys")),
+             np.int32(group), bias if bias is not None else cp.empty(1, dtype=acc),
+             np.int64(bs), np.int32(bias is not None), np.int32(has_new), np.int32(n),
+             np.int32(K), np.int32(H), np.float64(scale), out))
+    return out
 
 
 # ---- Adam --------------------------------------------------------------------------------------

@@ -293,18 +293,89 @@ __global__ void top_m_log_softmax(const T* z, long long* best, typename Acc<T>::
         }
     }
 }
+
+// ---- attention of one new query per row (a decoding step): one block per (row, head) ----
+// q: the rows' queries (R, H, K) through strides (row qr, head qh; a head's K values
+// contiguous); keys and values (N, H, L, K) through strides (sentence ks, head kh, position
+// kl; K contiguous): row r attends to positions 0 .. n-1 of sentence r / group. bias: an
+// additive key mask in the accumulator type, bias[sentence * bs + j], when has_bias. With
+// has_new (self-attention's cache, group 1) the row's new key and value (k_new, v_new,
+// strides as q) are first written at position n - 1. Then, as attention.py on arrays
+// (attention_probabilities, then the product with v), each step rounded to T as there:
+//   qs = q * scale,  s_j = qs . k_j,  p = softmax(s + bias) (as masked_softmax: a fully
+//   masked row is 0),  out[r, h*K + c] = sum_j p_j v_jc      (out (R, H*K): heads merged)
+// float16 computes in float32. n <= DECODE_MAX_KEYS, K <= DECODE_MAX_K (the caller checks).
+#define DECODE_MAX_KEYS 1024
+#define DECODE_MAX_K 256
+template <typename T>
+__global__ void decode_attention(const T* q, const T* k_new, const T* v_new, long long qr,
+                                 long long qh, T* keys, T* values, long long ks, long long kh,
+                                 long long kl, int group, const typename Acc<T>::type* bias,
+                                 long long bs, int has_bias, int has_new, int n, int K, int H,
+                                 double scale, T* out) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    __shared__ A qs[DECODE_MAX_K];
+    __shared__ A p[DECODE_MAX_KEYS];
+    const long long r = blockIdx.x / H;
+    const int h = blockIdx.x % H;
+    const long long sentence = r / group;
+    const long long qoff = r * qr + h * qh;
+    T* kb = keys + sentence * ks + h * kh;
+    T* vb = values + sentence * ks + h * kh;
+    if (has_new) {
+        for (int c = threadIdx.x; c < K; c += blockDim.x) {
+            kb[(long long)(n - 1) * kl + c] = k_new[qoff + c];
+            vb[(long long)(n - 1) * kl + c] = v_new[qoff + c];
+        }
+    }
+    const A sc = A(scale);  // (the scale as T holds it: the caller rounds it)
+    for (int c = threadIdx.x; c < K; c += blockDim.x)
+        qs[c] = C::load(C::store(C::load(q[qoff + c]) * sc));
+    __syncthreads();  // qs, and the new key and value, for every thread
+    const A* brow = has_bias ? bias + sentence * bs : 0;
+    A m = C::neg_inf();
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const T* kj = kb + (long long)j * kl;
+        A d = 0;
+        for (int c = 0; c < K; ++c) d += qs[c] * C::load(kj[c]);
+        const A v = C::load(C::store(d)) + (brow ? brow[j] : A(0));
+        p[j] = v;
+        m = v > m ? v : m;
+    }
+    m = block_max(m, shared, C::neg_inf());
+    if (!isfinite(m)) m = A(0);  // every key masked: exp(-inf - 0) = 0, no NaN
+    A z = 0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const A e = exp(p[j] - m);
+        p[j] = e;
+        z += e;
+    }
+    z = block_sum(z, shared);
+    if (z == A(0)) z = A(1);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) p[j] = C::load(C::store(p[j] / z));
+    __syncthreads();  // every p, for every thread
+    T* orow = out + r * (long long)H * K + (long long)h * K;
+    for (int c = threadIdx.x; c < K; c += blockDim.x) {
+        A acc = 0;
+        for (int j = 0; j < n; ++j) acc += p[j] * C::load(vb[(long long)j * kl + c]);
+        orow[c] = C::store(acc);
+    }
+}
 """
 
 ROW_KERNELS = ("layer_norm_forward", "layer_norm_backward", "masked_softmax", "smoothed_ce_chunk",
-               "top_m_log_softmax")
+               "top_m_log_softmax", "decode_attention")
 TOP_M_MAX = 16  # the most candidates top_m_log_softmax takes per row (its TOP_M_MAX)
+DECODE_MAX_KEYS, DECODE_MAX_K = 1024, 256  # decode_attention's limits (its #defines)
 STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float",
                  np.dtype(np.float64): "double"}
 ROW_KERNEL_OPTIONS = ("--std=c++14",)
 
 
 def row_kernel_names():
-    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (15 of them)."""
+    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (18 of them)."""
     return [f"{k}<{c}>" for k in ROW_KERNELS for c in STORAGE_TYPES.values()]
 
 

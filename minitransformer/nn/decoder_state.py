@@ -36,6 +36,17 @@ class SelfCache:
 
     def append(self, k, v):
         """Add the keys and values (R, H, T, K) of T new positions -> every position's."""
+        start = self.length
+        self.reserve(k)
+        self.k_buf[:k.shape[0], :, start:self.length] = k
+        self.v_buf[:k.shape[0], :, start:self.length] = v
+        return self.keys(), self.values()
+
+    def reserve(self, k):
+        """Room for the T new positions of keys like ``k`` (R, H, T, K), counted as fed, but
+        not written: the caller writes them (a GPU's decode_attention does, in the kernel
+        that reads them) -> (k_buf, v_buf, length), the buffers (rows, H, capacity, K) and
+        the positions fed now."""
         R, H, T, K = k.shape
         if self.k_buf is None:
             fit = self.BUFFER_BYTES // max(1, R * H * K * k.dtype.itemsize)
@@ -44,11 +55,8 @@ class SelfCache:
             self.k_buf, self.v_buf = (xp.empty((R, H, cap, K), k.dtype) for _ in range(2))
         elif self.length + T > self.k_buf.shape[2]:
             self._grow(self.length + T)
-        end = self.length + T
-        self.k_buf[:R, :, self.length:end] = k
-        self.v_buf[:R, :, self.length:end] = v
-        self.length = end
-        return self.keys(), self.values()
+        self.length += T
+        return self.k_buf, self.v_buf, self.length
 
     def keys(self):
         return self.k_buf[:self.rows, :, :self.length]

@@ -8,7 +8,7 @@ Shapes: B batch, S source length, T target length, D d_model, H heads, K = D / H
 import numpy as np
 
 from .. import backend
-from ..engine import ops
+from ..engine import cuda_kernels, ops
 from ..engine.attention import attention_probabilities, scaled_dot_product_attention
 from ..engine.residual import dropout_residual
 from ..engine.tensor import Tensor
@@ -81,17 +81,29 @@ class MultiHeadAttention(Module):
         values are appended), or its CrossCache (``group`` rows a sentence attend to the
         sentence's keys and values as one block of queries) with the source's ``key_bias``.
         The same products and softmax, in the same order and layout, as forward: the same
-        numbers (tested), without Tensors, Function objects or a tape."""
+        numbers (tested), without Tensors, Function objects or a tape. On a GPU the append,
+        the attention and merge_heads are one kernel (cuda_kernels.decode_attention: the
+        same formulas and roundings, summed in another order) instead of about seven."""
         H = self.n_heads
         R, D = x.shape
+        xp = backend.get_array_module(x)
         if isinstance(cache, SelfCache):
             heads = ops.affine(x, *cache.qkv).reshape(R, 3 * H, 1, D // H)  # split_heads
-            q = heads[:, :H]
-            k, v = cache.append(heads[:, H:2 * H], heads[:, 2 * H:])
+            q, k_new, v_new = heads[:, :H], heads[:, H:2 * H], heads[:, 2 * H:]
+            if cuda_kernels.fits_decode_attention(xp, D // H, cache.length + 1):
+                # on a GPU: the cache's append, the attention and merge_heads in one kernel
+                k_buf, v_buf, n = cache.reserve(k_new)
+                return self.wo.step(cuda_kernels.decode_attention(
+                    q, k_buf, v_buf, n, k_new=k_new, v_new=v_new))
+            k, v = cache.append(k_new, v_new)
+        elif cuda_kernels.fits_decode_attention(xp, D // H, cache.k.shape[2]):
+            return self.wo.step(cuda_kernels.decode_attention(
+                self.wq.step(x).reshape(R, H, D // H), cache.k, cache.v, cache.k.shape[2],
+                group=cache.group, bias=key_bias))
         else:  # split_heads of (sentences, group, D): the group's queries as one block
             g = cache.group
             q = self.wq.step(x).reshape(R // g, g, H, D // H).transpose(0, 2, 1, 3)
-            q = backend.get_array_module(q).ascontiguousarray(q)
+            q = xp.ascontiguousarray(q)
             k, v = cache.k, cache.v
         out = attention_probabilities(q, k, key_bias) @ v  # (ScaledDotProductAttention)
         return self.wo.step(out.transpose(0, 2, 1, 3).reshape(R, D))  # merge_heads
