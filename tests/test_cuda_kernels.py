@@ -69,7 +69,7 @@ def test_row_kernels_compile_with_nvrtc(arch):
     names = ck.row_kernel_names()
     lowered = _compile(nvrtc, ck.ROW_KERNELS_SOURCE, names,
                        ck.ROW_KERNEL_OPTIONS + (f"-arch={arch}",))
-    assert len(names) == 18 and all(lowered)
+    assert len(names) == 21 and all(lowered)
 
 
 def elementwise_as_raw_kernel(in_params, out_params, operation, ctype):
@@ -452,6 +452,30 @@ class TestParity:
         assert_close(row_loss.sum(), loss_ref.data, RTOL[dtype] * 10, 0, "loss")
         assert_close(dh, ht.grad, RTOL[dtype] * 100, ATOL[dtype] * 10, "dh")
 
+    @pytest.mark.parametrize("dtype", FLOATS + [np.float16])
+    @pytest.mark.parametrize("D", [77, 512])
+    def test_bias_residual_layer_norm_is_the_three_calls_it_replaces(self, cp, dtype, D,
+                                                                     assert_close):
+        """v = x + (f + b) then layer_norm_forward, as a decoding step computes them with
+        separate calls (the bias in the accumulation dtype, each sum rounded to f's dtype):
+        the same numbers, bit for bit where the kernels run on the CPU (on a GPU to the
+        last bits: a compiler may contract the two kernels' arithmetic differently)."""
+        rng = _rng()
+        acc = np.float32 if dtype == np.float16 else dtype
+        f, x = (cp.asarray(rng.standard_normal((7, D)).astype(dtype)) for _ in range(2))
+        b, gamma, beta = (cp.asarray(rng.standard_normal(D).astype(acc)) for _ in range(3))
+        fb = f.copy()
+        fb += b  # (as Linear.step adds its bias: in f's dtype)
+        want = ck.layer_norm_forward(x + fb, gamma, beta, 1e-5)[0]
+        got = ck.bias_residual_layer_norm(f, b, x, gamma, beta, 1e-5)
+        assert got.dtype == dtype and got.shape == (7, D)
+        got, want = backend.to_numpy(got), backend.to_numpy(want)
+        if REAL_GPU:
+            assert_close(got.astype(np.float64), want.astype(np.float64),
+                         RTOL.get(dtype, 1e-3), ATOL.get(dtype, 1e-3), "normalised rows")
+        else:
+            np.testing.assert_array_equal(got, want)
+
     # a decoding step's attention
     @staticmethod
     def decode_reference(q, keys, values, n, group=1, bias=None):
@@ -491,30 +515,38 @@ class TestParity:
         assert (out[2 * g:3 * g] == 0).all()  # fully masked: zeros, no NaN
         assert_close(out, want, RTOL[dtype] * 10, ATOL[dtype] * 10, "attention output")
 
-    @pytest.mark.parametrize("dtype", FLOATS)
+    @pytest.mark.parametrize("dtype", FLOATS + [np.float16])
     @pytest.mark.parametrize("K, n", [(32, 1), (16, 45)])
+    @pytest.mark.parametrize("biased", [False, True])
     def test_decode_attention_self_writes_the_new_key_and_value(self, cp, dtype, K, n,
-                                                                assert_close):
+                                                                biased, assert_close):
         """Self-attention: the query, key and value heads are views of one fused q/k/v
-        product (R, 3H, 1, K); the kernel writes this step's key and value at position
-        n - 1 of the cache's buffers (which have more rows and room than used) and
-        attends over positions 0 .. n-1, the new one included."""
+        product (R, 3H, 1, K), with its biases added already or (``biased``) by the kernel
+        (then in the accumulation dtype, each sum rounded to the heads' dtype); the kernel
+        writes this step's key and value at position n - 1 of the cache's buffers (which
+        have more rows and room than used) and attends over positions 0 .. n-1, the new
+        one included."""
         rng = _rng()
         R, H, cap = 5, 2, 64
+        acc = np.float32 if dtype == np.float16 else dtype
         heads = rng.standard_normal((R, 3 * H, 1, K)).astype(dtype)
         k_buf, v_buf = (rng.standard_normal((R + 2, H, cap, K)).astype(dtype)
                         for _ in range(2))
+        b = rng.standard_normal(3 * H * K).astype(acc)
+        added = (heads + b.reshape(1, 3 * H, 1, K)).astype(dtype) if biased else heads
         want_k, want_v = k_buf.copy(), v_buf.copy()
-        want_k[:R, :, n - 1] = heads[:, H:2 * H, 0]
-        want_v[:R, :, n - 1] = heads[:, 2 * H:, 0]
-        want = self.decode_reference(heads[:, :H, 0], want_k, want_v, n)
-        hc, kc, vc = cp.asarray(heads), cp.asarray(k_buf), cp.asarray(v_buf)
+        want_k[:R, :, n - 1] = added[:, H:2 * H, 0]
+        want_v[:R, :, n - 1] = added[:, 2 * H:, 0]
+        want = self.decode_reference(added[:, :H, 0], want_k, want_v, n)
+        hc, kc, vc, bc = (cp.asarray(a) for a in (heads, k_buf, v_buf, b))
+        D = H * K
+        biases = dict(q_bias=bc[:D], k_bias=bc[D:2 * D], v_bias=bc[2 * D:]) if biased else {}
         out = ck.decode_attention(hc[:, :H], kc, vc, n, k_new=hc[:, H:2 * H],
-                                  v_new=hc[:, 2 * H:])
+                                  v_new=hc[:, 2 * H:], **biases)
         np.testing.assert_array_equal(backend.to_numpy(kc), want_k)  # only position n - 1
         np.testing.assert_array_equal(backend.to_numpy(vc), want_v)  # of rows < R changed
-        assert_close(backend.to_numpy(out), want, RTOL[dtype] * 10, ATOL[dtype] * 10,
-                     "attention output")
+        assert_close(backend.to_numpy(out).astype(np.float64), want,
+                     RTOL.get(dtype, 2e-3) * 10, ATOL.get(dtype, 2e-3) * 10, "attention output")
 
     def test_decode_attention_float16(self, cp, assert_close):
         rng = _rng()
@@ -533,9 +565,9 @@ class TestParity:
     @pytest.mark.parametrize("dtype", FLOATS)
     def test_decode_attention_matches_the_primitives(self, cp, dtype, monkeypatch,
                                                      assert_close):
-        """The numbers of the route it replaces on the same device (fused kernels off:
-        attention_probabilities, the product with v, merge_heads), a cross-attention with
-        beams and a masked tail."""
+        """The numbers of the route it replaces on the same device (fused kernels off: the
+        query's bias, attention_probabilities, the product with v, merge_heads), a
+        cross-attention with beams and a masked tail."""
         from minitransformer.engine.attention import attention_probabilities
         from minitransformer.settings import SETTINGS
         rng = _rng()
@@ -546,12 +578,15 @@ class TestParity:
         bias = np.zeros((N, 1, 1, S), acc)
         bias[0, ..., 11:] = -np.inf
         kc, vc, bc = cp.asarray(keys), cp.asarray(values), cp.asarray(bias)
+        q_bias = cp.asarray(rng.standard_normal(H * K).astype(acc))
         monkeypatch.setattr(SETTINGS, "fused", False)
-        qb = cp.ascontiguousarray(cp.asarray(q).reshape(N, g, H, K).transpose(0, 2, 1, 3))
+        qd = cp.asarray(q).reshape(N * g, H * K)
+        qd += q_bias  # (as Linear.step adds the query projection's bias)
+        qb = cp.ascontiguousarray(qd.reshape(N, g, H, K).transpose(0, 2, 1, 3))
         want = (attention_probabilities(qb, kc, bc) @ vc).transpose(0, 2, 1, 3)
         want = backend.to_numpy(want.reshape(N * g, H * K))
         monkeypatch.setattr(SETTINGS, "fused", True)
-        got = ck.decode_attention(cp.asarray(q), kc, vc, S, group=g, bias=bc)
+        got = ck.decode_attention(cp.asarray(q), kc, vc, S, group=g, bias=bc, q_bias=q_bias)
         assert_close(backend.to_numpy(got), want, RTOL[dtype] * 10, ATOL[dtype] * 10,
                      "attention output")
 
@@ -561,7 +596,12 @@ class TestParity:
         for kwargs, match in (({"n": 11}, "n=11 keys of 10"), ({"n": 0}, "n=0"),
                               ({"n": 5, "group": 1, "bias": cp.zeros((2, 1, 1, 4))},
                                "bias must be"),
-                              ({"n": 5, "k_new": q}, "k_new and v_new come together")):
+                              ({"n": 5, "k_new": q}, "k_new and v_new come together"),
+                              ({"n": 5, "k_new": q, "v_new": q,
+                                "q_bias": cp.zeros(16, dtype=np.float32)},
+                               "q_bias comes with k_bias and v_bias"),
+                              ({"n": 5, "q_bias": cp.zeros(8, dtype=np.float32)},
+                               "projection bias must be contiguous")):
             n = kwargs.pop("n")
             with pytest.raises(ValueError, match=match):
                 ck.decode_attention(q, kv, kv, n, **kwargs)

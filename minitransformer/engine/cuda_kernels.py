@@ -6,6 +6,8 @@ parity-tested against it (tests/test_cuda_kernels.py). Rounding differs only in 
 order and contracted multiply-adds.
 
     layer_norm_forward / layer_norm_backward    layernorm.py
+    bias_residual_layer_norm                    a post-norm sub-layer's end in a decoding
+                                                step: + bias, + residual, layernorm.py
     masked_softmax_                             attention.py (bias, softmax, masked rows)
     dropout_residual                            ops.py Dropout, then the residual add
     smoothed_ce_chunk                           linear_cross_entropy.py, one chunk of rows
@@ -148,6 +150,32 @@ def layer_norm_backward(dy, x_hat, rstd, gamma):
         backend.cast(dy2.sum(axis=0), param_dtype)
 
 
+def bias_residual_layer_norm(f, b, x, gamma, beta, eps=1e-5):
+    """The end of a post-norm sub-layer in a decoding step (SublayerConnection.step): the
+    sub-layer's last bias, the residual and LayerNorm, as the array ops compute them on a GPU,
+
+        v = x + (f + b),  y = layer_norm_forward(v, gamma, beta, eps)[0]
+
+    (each sum rounded to f's dtype; the same numbers as those calls, bit for bit, in one
+    launch instead of three). f, x: (..., D) of one dtype, f the sub-layer's output before
+    the bias; b, gamma, beta: (D,), in the accumulation dtype (float32 for float16 f).
+    Returns y like f. One block per row."""
+    cp = _cupy()
+    if f.shape != x.shape or f.dtype != x.dtype:
+        raise ValueError(f"bias_residual_layer_norm: f {tuple(f.shape)} {f.dtype} and x "
+                         f"{tuple(x.shape)} {x.dtype} must match")
+    f, x = cp.ascontiguousarray(f), cp.ascontiguousarray(x)
+    D = f.shape[-1]
+    acc = backend.accumulation_dtype(f.dtype)
+    b, gamma, beta = (cp.ascontiguousarray(a, dtype=acc) for a in (b, gamma, beta))
+    y = cp.empty_like(f)
+    rows = f.size // D if D else 0
+    if rows:
+        _row_kernel("bias_residual_layer_norm", f.dtype)(
+            (rows,), (_threads(D),), (f, b, x, gamma, beta, y, np.int32(D), np.float64(eps)))
+    return y
+
+
 # ---- masked softmax ----------------------------------------------------------------------------
 def masked_softmax_(s, bias=None):
     """In place: s <- softmax(s + bias) over the last axis, as attention.py's forward.
@@ -287,7 +315,8 @@ def _elements(a, axis, what):
     return st // a.itemsize
 
 
-def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=None):
+def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=None,
+                     q_bias=None, k_bias=None, v_bias=None):
     """One decoding step's attention, as attention.py's arrays then merge_heads (what
     MultiHeadAttention.step runs on NumPy), in one kernel:
 
@@ -301,7 +330,10 @@ def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=N
     keys and values, shared by its ``group`` rows). bias: None, or the additive key mask
     (N, ..., S) in the accumulator dtype (engine/attention.key_bias), S >= n, contiguous
     along S. k_new, v_new (self-attention; group 1): this step's keys and values, strides as
-    q, written at position n - 1 of keys and values first (the cache's append). Each step is
+    q, written at position n - 1 of keys and values first (the cache's append). q_bias
+    (and with k_new, k_bias and v_bias): (H*K,) in the accumulation dtype, the projections'
+    biases, when q (k_new, v_new) are the products without them: added first, as
+    Linear.step adds them (one launch fewer each). Each step is
     rounded to q's dtype as the array ops round it; float16 accumulates in float32; only
     the summation order differs. Returns out (R, H*K) in q's dtype. One block per (row,
     head) (``fits_decode_attention`` says which sizes).
@@ -332,6 +364,16 @@ def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=N
         raise ValueError("decode_attention: k_new and v_new come together, shaped and strided "
                          "as q, with group 1")
     acc = np.float64 if q.dtype == np.float64 else np.float32
+    proj = [q_bias] + ([k_bias, v_bias] if has_new else [])
+    has_proj_bias = q_bias is not None
+    if any((b is None) == has_proj_bias for b in proj) or (not has_new and (
+            k_bias is not None or v_bias is not None)):
+        raise ValueError("decode_attention: q_bias comes with k_bias and v_bias when k_new is "
+                         "given, and alone otherwise")
+    for b in proj if has_proj_bias else ():
+        if b.shape != (H * K,) or b.dtype != acc or b.strides[0] != b.itemsize:
+            raise ValueError(f"decode_attention: a projection bias must be contiguous "
+                             f"({H * K},) in {np.dtype(acc)}, got {tuple(b.shape)} {b.dtype}")
     bs = 0
     if bias is not None:
         if bias.dtype != acc or bias.strides[-1] != bias.itemsize or bias.shape[-1] < n \
@@ -340,6 +382,7 @@ def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=N
                              f"in {np.dtype(acc)}, contiguous along S")
         bs = _elements(bias, 0, "bias")
     out = cp.empty((R, H * K), dtype=q.dtype)
+    none = cp.empty(1, dtype=acc)  # (for the pointers a launch does not read)
     if R:
         scale = float(np.dtype(q.dtype).type(1.0 / np.sqrt(K)))  # rounded as q * scale rounds
         _row_kernel("decode_attention", q.dtype)(
@@ -348,9 +391,11 @@ def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=N
              np.int64(_elements(q, 0, "q")), np.int64(_elements(q, 1, "q")),
              keys, values, np.int64(_elements(keys, 0, "keys")),
              np.int64(_elements(keys, 1, "keys")), np.int64(_elements(keys, 2, "keys")),
-             np.int32(group), bias if bias is not None else cp.empty(1, dtype=acc),
-             np.int64(bs), np.int32(bias is not None), np.int32(has_new), np.int32(n),
-             np.int32(K), np.int32(H), np.float64(scale), out))
+             np.int32(group), bias if bias is not None else none,
+             np.int64(bs), np.int32(bias is not None), np.int32(has_new),
+             *(b if b is not None else none for b in (q_bias, k_bias, v_bias)),
+             np.int32(has_proj_bias), np.int32(n), np.int32(K), np.int32(H),
+             np.float64(scale), out))
     return out
 
 

@@ -109,6 +109,44 @@ __global__ void layer_norm_forward(const T* x, const typename Acc<T>::type* gamm
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
 }
 
+// ---- the end of a post-norm sub-layer in a decoding step: one block per row of D ----
+// v = x + (f + b): f the sub-layer's output before its last bias b (in the accumulator type,
+// as the master weights are), x the residual; each sum rounded to T as the array ops round
+// them. Then y = LayerNorm(v) exactly as layer_norm_forward computes it (x_hat and rstd not
+// written: a decoding step has no backward).
+template <typename T>
+__device__ typename Acc<T>::type residual_sum(const T* f, const typename Acc<T>::type* b,
+                                              const T* x, int j) {
+    typedef Acc<T> C;
+    return C::load(C::store(C::load(x[j]) + C::load(C::store(C::load(f[j]) + b[j]))));
+}
+
+template <typename T>
+__global__ void bias_residual_layer_norm(const T* f, const typename Acc<T>::type* b, const T* x,
+                                         const typename Acc<T>::type* gamma,
+                                         const typename Acc<T>::type* beta, T* y, int D,
+                                         double eps) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    __shared__ A shared[32];
+    const long long off = (long long)blockIdx.x * D;
+    f += off; x += off; y += off;
+    A sum = 0;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) sum += residual_sum(f, b, x, j);
+    const A mean = block_sum(sum, shared) / A(D);
+    A sq = 0;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A c = residual_sum(f, b, x, j) - mean;
+        sq += c * c;
+    }
+    const A var = block_sum(sq, shared) / A(D);
+    const A r = A(1) / sqrt(var + A(eps));
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        const A xh = (residual_sum(f, b, x, j) - mean) * r;
+        y[j] = C::store(xh * gamma[j] + beta[j]);
+    }
+}
+
 // ---- LayerNorm backward (dx only): one block per row of D ----
 // dxh = dy * gamma,  dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat)).
 // rstd and gamma in the accumulator type, as the forward takes them.
@@ -300,7 +338,10 @@ __global__ void top_m_log_softmax(const T* z, long long* best, typename Acc<T>::
 // kl; K contiguous): row r attends to positions 0 .. n-1 of sentence r / group. bias: an
 // additive key mask in the accumulator type, bias[sentence * bs + j], when has_bias. With
 // has_new (self-attention's cache, group 1) the row's new key and value (k_new, v_new,
-// strides as q) are first written at position n - 1. Then, as attention.py on arrays
+// strides as q) are first written at position n - 1. With has_proj_bias, q, k_new and v_new
+// are products still without their projections' biases (q_bias, k_bias, v_bias: (H*K,) in
+// the accumulator type), added here first, each sum rounded to T as Linear.step's is.
+// Then, as attention.py on arrays
 // (attention_probabilities, then the product with v), each step rounded to T as there:
 //   qs = q * scale,  s_j = qs . k_j,  p = softmax(s + bias) (as masked_softmax: a fully
 //   masked row is 0),  out[r, h*K + c] = sum_j p_j v_jc      (out (R, H*K): heads merged)
@@ -311,8 +352,11 @@ template <typename T>
 __global__ void decode_attention(const T* q, const T* k_new, const T* v_new, long long qr,
                                  long long qh, T* keys, T* values, long long ks, long long kh,
                                  long long kl, int group, const typename Acc<T>::type* bias,
-                                 long long bs, int has_bias, int has_new, int n, int K, int H,
-                                 double scale, T* out) {
+                                 long long bs, int has_bias, int has_new,
+                                 const typename Acc<T>::type* q_bias,
+                                 const typename Acc<T>::type* k_bias,
+                                 const typename Acc<T>::type* v_bias, int has_proj_bias, int n,
+                                 int K, int H, double scale, T* out) {
     typedef Acc<T> C;
     typedef typename C::type A;
     __shared__ A shared[32];
@@ -324,15 +368,24 @@ __global__ void decode_attention(const T* q, const T* k_new, const T* v_new, lon
     const long long qoff = r * qr + h * qh;
     T* kb = keys + sentence * ks + h * kh;
     T* vb = values + sentence * ks + h * kh;
+    const int boff = h * K;
     if (has_new) {
         for (int c = threadIdx.x; c < K; c += blockDim.x) {
-            kb[(long long)(n - 1) * kl + c] = k_new[qoff + c];
-            vb[(long long)(n - 1) * kl + c] = v_new[qoff + c];
+            T kv = k_new[qoff + c], vv = v_new[qoff + c];
+            if (has_proj_bias) {
+                kv = C::store(C::load(kv) + k_bias[boff + c]);
+                vv = C::store(C::load(vv) + v_bias[boff + c]);
+            }
+            kb[(long long)(n - 1) * kl + c] = kv;
+            vb[(long long)(n - 1) * kl + c] = vv;
         }
     }
     const A sc = A(scale);  // (the scale as T holds it: the caller rounds it)
-    for (int c = threadIdx.x; c < K; c += blockDim.x)
-        qs[c] = C::load(C::store(C::load(q[qoff + c]) * sc));
+    for (int c = threadIdx.x; c < K; c += blockDim.x) {
+        A qv = C::load(q[qoff + c]);
+        if (has_proj_bias) qv = C::load(C::store(qv + q_bias[boff + c]));
+        qs[c] = C::load(C::store(qv * sc));
+    }
     __syncthreads();  // qs, and the new key and value, for every thread
     const A* brow = has_bias ? bias + sentence * bs : 0;
     A m = C::neg_inf();
@@ -366,7 +419,7 @@ __global__ void decode_attention(const T* q, const T* k_new, const T* v_new, lon
 """
 
 ROW_KERNELS = ("layer_norm_forward", "layer_norm_backward", "masked_softmax", "smoothed_ce_chunk",
-               "top_m_log_softmax", "decode_attention")
+               "top_m_log_softmax", "decode_attention", "bias_residual_layer_norm")
 TOP_M_MAX = 16  # the most candidates top_m_log_softmax takes per row (its TOP_M_MAX)
 DECODE_MAX_KEYS, DECODE_MAX_K = 1024, 256  # decode_attention's limits (its #defines)
 STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float",
@@ -375,7 +428,7 @@ ROW_KERNEL_OPTIONS = ("--std=c++14",)
 
 
 def row_kernel_names():
-    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (18 of them)."""
+    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (21 of them)."""
     return [f"{k}<{c}>" for k in ROW_KERNELS for c in STORAGE_TYPES.values()]
 
 

@@ -74,9 +74,10 @@ class MultiHeadAttention(Module):
         out = self.wo(ops.merge_heads(out, H))
         return out if group == 1 else out.reshape(B, T, D)
 
-    def step(self, x, cache, key_bias=None):
+    def step(self, x, cache, key_bias=None, add_bias=True):
         """forward(x, ..., cache=cache) for the one new position of each row, on raw arrays
-        (a decoding step under no_grad: ``Transformer.next_scores``): x (R, D) -> (R, D).
+        (a decoding step under no_grad: ``Transformer.next_scores``): x (R, D) -> (R, D);
+        ``add_bias=False`` leaves W_O's bias to the caller (SublayerConnection.step).
         cache: the layer's SelfCache, with the fused [W_q W_k W_v] (this position's keys and
         values are appended), or its CrossCache (``group`` rows a sentence attend to the
         sentence's keys and values as one block of queries) with the source's ``key_bias``.
@@ -88,25 +89,31 @@ class MultiHeadAttention(Module):
         R, D = x.shape
         xp = backend.get_array_module(x)
         if isinstance(cache, SelfCache):
-            heads = ops.affine(x, *cache.qkv).reshape(R, 3 * H, 1, D // H)  # split_heads
-            q, k_new, v_new = heads[:, :H], heads[:, H:2 * H], heads[:, 2 * H:]
+            w, b = cache.qkv
             if cuda_kernels.fits_decode_attention(xp, D // H, cache.length + 1):
-                # on a GPU: the cache's append, the attention and merge_heads in one kernel
+                # on a GPU: the biases, the cache's append, the attention and merge_heads in
+                # one kernel
+                heads = ops.affine(x, w).reshape(R, 3 * H, 1, D // H)  # (without b)
+                q, k_new, v_new = heads[:, :H], heads[:, H:2 * H], heads[:, 2 * H:]
                 k_buf, v_buf, n = cache.reserve(k_new)
                 return self.wo.step(cuda_kernels.decode_attention(
-                    q, k_buf, v_buf, n, k_new=k_new, v_new=v_new))
-            k, v = cache.append(k_new, v_new)
+                    q, k_buf, v_buf, n, k_new=k_new, v_new=v_new, q_bias=b[:D],
+                    k_bias=b[D:2 * D], v_bias=b[2 * D:]), add_bias)
+            heads = ops.affine(x, w, b).reshape(R, 3 * H, 1, D // H)  # split_heads
+            q = heads[:, :H]
+            k, v = cache.append(heads[:, H:2 * H], heads[:, 2 * H:])
         elif cuda_kernels.fits_decode_attention(xp, D // H, cache.k.shape[2]):
             return self.wo.step(cuda_kernels.decode_attention(
-                self.wq.step(x).reshape(R, H, D // H), cache.k, cache.v, cache.k.shape[2],
-                group=cache.group, bias=key_bias))
+                self.wq.step(x, add_bias=False).reshape(R, H, D // H), cache.k, cache.v,
+                cache.k.shape[2], group=cache.group, bias=key_bias,
+                q_bias=None if self.wq.bias is None else self.wq.bias.data), add_bias)
         else:  # split_heads of (sentences, group, D): the group's queries as one block
             g = cache.group
             q = self.wq.step(x).reshape(R // g, g, H, D // H).transpose(0, 2, 1, 3)
             q = xp.ascontiguousarray(q)
             k, v = cache.k, cache.v
         out = attention_probabilities(q, k, key_bias) @ v  # (ScaledDotProductAttention)
-        return self.wo.step(out.transpose(0, 2, 1, 3).reshape(R, D))  # merge_heads
+        return self.wo.step(out.transpose(0, 2, 1, 3).reshape(R, D), add_bias)  # merge_heads
 
     def _on_real_rows(self, x, key_mask, rows):
         """Self-attention of the real positions x (N, D) of a padded batch -> (N, D): the
@@ -182,10 +189,11 @@ class FeedForward(Module):
     def forward(self, x):
         return self.w2(self.drop(ops.relu(self.w1(x))))
 
-    def step(self, x):
-        """forward on a raw array (R, D) in evaluation mode (dropout off), recording nothing."""
+    def step(self, x, add_bias=True):
+        """forward on a raw array (R, D) in evaluation mode (dropout off), recording nothing;
+        ``add_bias=False`` leaves W_2's bias to the caller (SublayerConnection.step)."""
         h = self.w1.step(x)
-        return self.w2.step(backend.get_array_module(h).maximum(h, 0, out=h))  # ReLU
+        return self.w2.step(backend.get_array_module(h).maximum(h, 0, out=h), add_bias)  # ReLU
 
 
 class SublayerConnection(Module):
@@ -205,10 +213,18 @@ class SublayerConnection(Module):
             return dropout_residual(x, f(self.norm(x)), d.rate, d.rng, d.training)
         return self.norm(dropout_residual(x, f(x), d.rate, d.rng, d.training))
 
-    def step(self, x, f):
-        """forward on raw arrays in evaluation mode (dropout off): f takes and returns one."""
+    def step(self, x, f, last=None):
+        """forward on raw arrays in evaluation mode (dropout off): f takes and returns one.
+        ``last``: the Linear that ends f, whose bias f leaves out when called with
+        add_bias=False; on a GPU (post-norm) that bias, the residual add and LayerNorm are
+        then one kernel (cuda_kernels.bias_residual_layer_norm), the same numbers."""
         if self.pre:
             return x + f(self.norm.step(x))
+        if last is not None and last.bias is not None and \
+                cuda_kernels.use_for(backend.get_array_module(x)):
+            n = self.norm
+            return cuda_kernels.bias_residual_layer_norm(f(x, add_bias=False), last.bias.data,
+                                                         x, n.gamma.data, n.beta.data, n.eps)
         return self.norm.step(x + f(x))
 
 
@@ -249,6 +265,7 @@ class DecoderLayer(Module):
         """forward for one new position per row on raw arrays (R, D), in evaluation mode
         (``Transformer.next_scores``): cache is this layer's {"self", "cross"} as in
         forward, src_bias the source's additive key mask (engine/attention.key_bias)."""
-        y = self.sub1.step(y, lambda h: self.self_attn.step(h, cache["self"]))
-        y = self.sub2.step(y, lambda h: self.cross_attn.step(h, cache["cross"], src_bias))
-        return self.sub3.step(y, self.ff.step)
+        sa, ca = self.self_attn, self.cross_attn
+        y = self.sub1.step(y, lambda h, **kw: sa.step(h, cache["self"], **kw), sa.wo)
+        y = self.sub2.step(y, lambda h, **kw: ca.step(h, cache["cross"], src_bias, **kw), ca.wo)
+        return self.sub3.step(y, self.ff.step, self.ff.w2)

@@ -117,10 +117,11 @@ class Linear(Module):
         w = self.weight if x.dtype == self.weight.dtype else ops.cast(self.weight, x.dtype)
         return ops.linear(x, w, self.bias)
 
-    def step(self, x):
-        """forward on a raw array, recording nothing (a decoding step: nn/layers.py)."""
+    def step(self, x, add_bias=True):
+        """forward on a raw array, recording nothing (a decoding step: nn/layers.py); with
+        ``add_bias=False`` only x W (the caller adds the bias, in a fused kernel)."""
         w = backend.cast(self.weight.data, x.dtype)
-        return ops.affine(x, w, None if self.bias is None else self.bias.data)
+        return ops.affine(x, w, None if self.bias is None or not add_bias else self.bias.data)
 
 
 class LayerNorm(Module):
