@@ -161,13 +161,16 @@ def _get(d, *keys):
     return d
 
 
-def _machine_key(m):
+def _machine_key(run):
     """What tells two runs' machines apart: the CPU, its cores and SIMD, memory, the OS and
-    Python, NumPy and its BLAS as set up for the run."""
+    Python, NumPy and its BLAS as set up for the run, and the GPU (None where the run did
+    not record one)."""
+    m = run["machine"]
     blas = m.get("blas", {})
+    gpu = run["setup"].get("ours", {}).get("gpu")
     return (m["cpu"], m["usable_cpus"], m["logical_cpus"], tuple(m["simd"]), m["mem_gib"],
             m["python"], m["platform"], m["numpy"], blas.get("config"), blas.get("corename"),
-            blas.get("OPENBLAS_CORETYPE"))
+            blas.get("OPENBLAS_CORETYPE"), tuple(sorted(gpu.items())) if gpu else None)
 
 
 def machine(runs):
@@ -175,7 +178,7 @@ def machine(runs):
     different machines), each naming its runs, then each run's load and GEMM peak."""
     groups = {}
     for run in runs:
-        groups.setdefault(_machine_key(run["machine"]), []).append(run)
+        groups.setdefault(_machine_key(run), []).append(run)
     lines = []
     for i, members in enumerate(groups.values()):
         m = members[0]["machine"]
@@ -191,8 +194,7 @@ def machine(runs):
                   f"* NumPy {m['numpy']}, BLAS: {blas.get('config', '?')}; core type in use "
                   f"{blas.get('corename', '?')}, OPENBLAS_CORETYPE="
                   f"{blas.get('OPENBLAS_CORETYPE')}, {blas.get('threads', '?')} threads"]
-        gpu = next((r["setup"]["ours"]["gpu"] for r in members
-                    if "gpu" in r["setup"].get("ours", {})), None)
+        gpu = members[0]["setup"].get("ours", {}).get("gpu")  # (part of the key)
         if gpu:
             lines.append(f"* GPU: {gpu['name']}; CuPy {gpu['cupy']}, CUDA runtime "
                          f"{gpu['cuda_runtime']}")

@@ -139,3 +139,13 @@ def test_report_describes_each_machine_its_runs_were_measured_on():
     assert "* CPU: Intel Xeon;" in second and "AMD EPYC" not in second
     one = report.machine(runs[:2])  # one machine: no numbered blocks
     assert "Machine 1" not in one and one.startswith("* CPU: AMD EPYC;")
+    # two GPUs on hosts alike: a block each, each naming its own GPU (and a run that
+    # recorded none is not put under another's)
+    gpus = [_run("tiny", "cuda", "Intel Xeon", "2026-11-26 23:38 UTC") for _ in range(3)]
+    for run, name in zip(gpus, ("NVIDIA H100 80GB HBM3", "NVIDIA H200")):
+        run["setup"]["ours"]["gpu"] = dict(name=name, cupy="14.2.0", cuda_runtime=13000)
+    blocks = report.machine(gpus).split("Machine ")[1:]
+    assert len(blocks) == 3
+    assert "* GPU: NVIDIA H100 80GB HBM3;" in blocks[0] and "H200" not in blocks[0]
+    assert "* GPU: NVIDIA H200;" in blocks[1] and "H100" not in blocks[1]
+    assert "* GPU:" not in blocks[2]
