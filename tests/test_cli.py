@@ -410,3 +410,25 @@ def test_a_linear_run_given_more_updates_on_resume_goes_on_from_its_rate(tmp_pat
     assert rates[stopped + 1] / rates[stopped] > 0.98  # no jump
     with pytest.raises(SystemExit, match=r"has finished its linear schedule \(200 updates"):
         run_train("--run-dir", run, *opts, "--max-updates", "300", "--resume")
+
+
+def test_a_bent_linear_run_given_max_time_on_resume_keeps_its_line(tmp_path):
+    """A linear run bent by a new --max-updates (linear_from), resumed again with --max-time:
+    the plan starts from the bent line, not from the run's first line to its cap (the rate
+    jumped 1.5x at the resume)."""
+    run = str(tmp_path / "run")
+    opts = ["--lr-schedule", "linear", "--warmup", "10", "--log-every", "1",
+            "--valid-every", "1000"]
+    assert run_train("--run-dir", run, *opts, "--max-updates", "80", "--max-epochs", "1") == 0
+    bent = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"]
+    rate = _rates(run)[bent]
+    assert run_train("--run-dir", run, *opts, "--max-updates", "200", "--resume",
+                     "--max-epochs", "2") == 0
+    stopped = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"]
+    assert bent < stopped < 200
+    assert run_train("--run-dir", run, *opts, "--resume", "--max-epochs", "0",
+                     "--max-time", "30") == 0
+    rates = _rates(run)
+    for u in (stopped, stopped + 1):  # (the first plan comes ~30 updates after the resume)
+        assert rates[u] == pytest.approx(rate * (200 - u) / (200 - bent), rel=1e-12), u
+    assert max(rates) == 200 and rates[200] == 0.0

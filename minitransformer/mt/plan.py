@@ -250,12 +250,16 @@ class DeadlinePlan:
         self.total = n
         return self._describe(first, update, elapsed, old)
 
-    def from_fixed_schedule(self, saved_cap, update, cap):
+    def from_fixed_schedule(self, saved_cap, update, cap, bend=None):
         """A linear run without a plan (no --max-time until its resume at ``update``): its
-        own schedule (linear_decay_lr to ``saved_cap``, its warm-up as it was) goes on until
-        the first plan; a new ``cap`` ends it from the rate it had (restart_before_plan)."""
+        own schedule (linear_decay_lr to ``saved_cap``, its warm-up as it was; from ``bend``
+        = [u0, lr0] on, the straight line from lr0 at u0 a changed --max-updates gave it)
+        goes on until the first plan; a new ``cap`` ends it from the rate it had
+        (restart_before_plan)."""
         self.warmup_share = None
         self.pieces = [[self.warmup, self.peak(), saved_cap]] if saved_cap else []
+        if saved_cap and bend is not None:
+            self.pieces.append([int(bend[0]), float(bend[1]), saved_cap])
         self.total = saved_cap or None
         if cap != saved_cap:
             self.restart_before_plan(update, cap)

@@ -248,7 +248,7 @@ class Trainer(CorpusSetUp):
             self.plan.load_state_dict(meta["plan"])
             self._resume_plan()
         elif self.plan is not None:  # (a linear run given --max-time on resume: planned from
-            self._plan_from_here()     # here on, from the schedule it had)
+            self._plan_from_here(meta.get("linear_from"))  # here on, from the schedule it had)
         elif self.args.lr_schedule == "linear":
             self.linear_from = meta.get("linear_from")
             self._resume_linear()
@@ -289,12 +289,13 @@ class Trainer(CorpusSetUp):
             return r0 * max(total - update, 0) / max(total - u0, 1)
         return linear_decay_lr(update, self.cfg.d_model, a.warmup, total, a.lr_factor)
 
-    def _plan_from_here(self):
+    def _plan_from_here(self, bend=None):
         """A linear run without a plan in its checkpoint (no --max-time until now): its own
-        schedule (linear_decay_lr to its saved --max-updates) goes on until the first plan,
-        and a new --max-updates ends it from the rate it had, as for a plan not yet made."""
+        schedule (linear_decay_lr to its saved --max-updates, bent at ``bend`` if a changed
+        --max-updates bent it: ``linear_from``) goes on until the first plan, and a new
+        --max-updates ends it from the rate it had, as for a plan not yet made."""
         self.plan.from_fixed_schedule(self._saved["train"].get("max_updates", 0),
-                                      self.update, self.args.max_updates)
+                                      self.update, self.args.max_updates, bend)
 
     def _resume_plan(self):
         """A planned run resumed (its plan, warm-up and peak as the checkpoint has them):
