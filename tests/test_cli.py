@@ -340,32 +340,35 @@ def _records(run):
     return out
 
 
+@pytest.mark.parametrize("stop_at", [10, 8])
 def test_a_signal_during_an_update_that_validates_is_caught_up_on_resume(tmp_path, capsys,
-                                                                          monkeypatch):
+                                                                          monkeypatch, stop_at):
     """SIGTERM while update 10 runs, where 10 is due a log line, a validation and periodic
     checkpoints: the run stops after that update at once (its log line is written), and
     --resume validates and saves update 10 before update 11. The resumed run's log, its
-    validations, its periodic and best checkpoints are those of the uninterrupted run."""
+    validations, its periodic and best checkpoints are those of the uninterrupted run.
+    Stopped at 8 (due nothing), the checkpoint keeps the log line's window (updates 6-8),
+    so the resumed run's line at 10 averages 6-10, as the uninterrupted run's does."""
     opts = ["--max-updates", "20", "--valid-every", "10", "--log-every", "5"]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     assert run_train("--run-dir", straight, *opts) == 0
     real_update = train_cli.Trainer.train_update
 
-    def signalled_at_10(self):
-        if self.update == 9:  # (update 10 is being made)
+    def signalled(self):
+        if self.update == stop_at - 1:  # (update stop_at is being made)
             os.kill(os.getpid(), signal.SIGTERM)  # (StopSignals notes it)
         return real_update(self)
 
-    monkeypatch.setattr(train_cli.Trainer, "train_update", signalled_at_10)
+    monkeypatch.setattr(train_cli.Trainer, "train_update", signalled)
     assert run_train("--run-dir", split, *opts) == 128 + signal.SIGTERM
     said = capsys.readouterr().out
-    assert "SIGTERM: stopped at update 10; saved" in said
+    assert f"SIGTERM: stopped at update {stop_at}; saved" in said
     assert ("continue with --resume (which first writes its validation and checkpoints, due "
-            "after update 10)") in said
+            "after update 10)" in said) == (stop_at == 10)
     monkeypatch.setattr(train_cli.Trainer, "train_update", real_update)
     meta = ckpt.load_checkpoint(os.path.join(split, "checkpoint_last.npz"))[2]
-    assert meta["update"] == 10
-    assert [r["update"] for r in _records(split)] == [1, 5, 10]  # (its validation: on resume)
+    assert meta["update"] == stop_at
+    assert [r["update"] for r in _records(split)] == [1, 5, 10][:2 + (stop_at == 10)]
     assert run_train("--run-dir", split, *opts, "--resume") == 0
     assert _records(split) == _records(straight)
     for name in ("checkpoint_10.npz", "checkpoint_20.npz", "checkpoint_best.npz",

@@ -20,6 +20,18 @@ class Log:
         self.loss, self.tokens, self.seconds, self.updates = 0.0, 0, 0.0, 0
         self.allreduce_s = 0.0  # the communicator's all-reduce seconds at the window's start
 
+    def window(self):
+        """The window so far (updates since the last line: their summed loss, tokens,
+        seconds and count), which a checkpoint keeps so that a resumed run's next line
+        averages the same updates as an uninterrupted run's."""
+        return {"loss": self.loss, "tokens": self.tokens, "seconds": self.seconds,
+                "updates": self.updates}
+
+    def restore_window(self, window):
+        """Go on from a checkpoint's ``window()``."""
+        self.loss, self.tokens = float(window["loss"]), int(window["tokens"])
+        self.seconds, self.updates = float(window["seconds"]), int(window["updates"])
+
     def add_update(self, loss_sum, tokens, seconds):
         """One update (applied or skipped) into the window."""
         self.loss += loss_sum

@@ -165,6 +165,8 @@ class Trainer(CorpusSetUp):
         # a signal stopped the run right after update ``self.update``, before the validation
         # and checkpoints due after it: --resume does them first (``_loop``)
         self.catch_up = False
+        self.log = None  # the run's Log (its line's window goes into each checkpoint)
+        self.log_window = None  # the window the resumed checkpoint kept, for run()'s Log
         # (update, rate): a linear run (no plan) whose --max-updates changed on --resume
         # falls from this rate at this update in a straight line to 0 at its --max-updates
         self.linear_from = None
@@ -201,6 +203,8 @@ class Trainer(CorpusSetUp):
             meta["plan"] = self.plan.state_dict()
         if self.catch_up:
             meta["catch_up"] = True
+        if self.log is not None:
+            meta["log_window"] = self.log.window()
         if self.linear_from is not None:
             meta["linear_from"] = list(self.linear_from)
         return meta
@@ -230,6 +234,7 @@ class Trainer(CorpusSetUp):
         self.update, self.best_bleu = meta["update"], meta["best_bleu"]
         self.train_time = meta.get("train_time", 0.0)
         self.catch_up = bool(meta.get("catch_up", False))
+        self.log_window = meta.get("log_window")
         if meta.get("train_pairs", self.train_pairs) != self.train_pairs:
             raise DataError(f"{path}: the run trained on {meta['train_pairs']} pairs, but "
                             f"{self.files[self.args.train_split][0]} and its target file now "
@@ -466,8 +471,10 @@ class Trainer(CorpusSetUp):
         signal. -> True when training finished, False when a signal stopped it (the state
         is then saved in checkpoint_last.npz, to continue with --resume)."""
         with StopSignals() as stop:  # (a signal during the final save is noted, not fatal)
-            log = Log(self.rd.metrics, self.args.max_updates,
-                      not self.args.no_progress, enabled=self.main, comm=self.comm)
+            log = self.log = Log(self.rd.metrics, self.args.max_updates,
+                                 not self.args.no_progress, enabled=self.main, comm=self.comm)
+            if self.log_window is not None:  # (resumed: the next line's window goes on)
+                log.restore_window(self.log_window)
             log.info(f"model: {count_parameters(self.model):,} parameters, config "
                      f"{json.dumps(dataclasses.asdict(self.cfg))}")
             if self.device == "cpu" and self.main:  # (the note is rank 0's to log)
