@@ -128,9 +128,14 @@ def test_decoding_steps_with_the_attention_kernel_match_forward(dtype, monkeypat
 
     plain = run(False)
     assert not calls
+    rtol = 1e-12 if dtype == np.float64 else 1e-5
+    monkeypatch.setattr(cuda_kernels, "DECODE_STEP_KERNELS", False)  # (decode_kernels_ab.py)
+    for a, b in zip(run(True), plain):  # the other fused kernels only
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol)
+    assert not calls
+    monkeypatch.setattr(cuda_kernels, "DECODE_STEP_KERNELS", True)
     fused = run(True)
     assert len(calls) == 2 * cfg.n_layers * 7  # self and cross, each layer, each step
-    rtol = 1e-12 if dtype == np.float64 else 1e-5
     for a, b in zip(fused, plain):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol)
     memory, mask = model.encode(src)  # the first steps against forward, uncached

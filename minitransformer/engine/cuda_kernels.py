@@ -300,10 +300,21 @@ def top_m_log_softmax(z, m, skip=()):
 
 
 # ---- a decoding step's attention ---------------------------------------------------------------
+DECODE_STEP_KERNELS = True  # False: a decoding step without decode_attention and
+# bias_residual_layer_norm, as before them (bench/decode_kernels_ab.py times both ways)
+
+
+def step_kernels(xp):
+    """Whether a decoding step on arrays of module ``xp`` runs decode_attention and
+    bias_residual_layer_norm: on the fused path (``use_for``) unless DECODE_STEP_KERNELS is
+    off."""
+    return use_for(xp) and DECODE_STEP_KERNELS
+
+
 def fits_decode_attention(xp, K, n):
-    """Whether decode_attention takes a step's attention on arrays of module ``xp``: the fused
-    path on CuPy (``use_for``), heads of K <= DECODE_MAX_K values, n <= DECODE_MAX_KEYS keys."""
-    return use_for(xp) and 1 <= K <= DECODE_MAX_K and 1 <= n <= DECODE_MAX_KEYS
+    """Whether decode_attention takes a step's attention on arrays of module ``xp``
+    (``step_kernels``): heads of K <= DECODE_MAX_K values, n <= DECODE_MAX_KEYS keys."""
+    return step_kernels(xp) and 1 <= K <= DECODE_MAX_K and 1 <= n <= DECODE_MAX_KEYS
 
 
 def _elements(a, axis, what):

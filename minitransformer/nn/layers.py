@@ -221,7 +221,7 @@ class SublayerConnection(Module):
         if self.pre:
             return x + f(self.norm.step(x))
         if last is not None and last.bias is not None and \
-                cuda_kernels.use_for(backend.get_array_module(x)):
+                cuda_kernels.step_kernels(backend.get_array_module(x)):
             n = self.norm
             return cuda_kernels.bias_residual_layer_norm(f(x, add_bias=False), last.bias.data,
                                                          x, n.gamma.data, n.beta.data, n.eps)
