@@ -76,6 +76,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 from typing import Optional, Sequence, Union
@@ -314,6 +315,8 @@ def _write_atomically(output, fill):
         fill(tmp)
         _sync_directory(tmp)
         os.chmod(tmp, 0o777 & ~umask())
+        if os.path.isdir(output):  # the model replaced keeps its directory's mode and owner
+            _same_mode_and_owner(tmp, os.stat(output))
         if os.path.isdir(output) and os.listdir(output):
             old = tempfile.mkdtemp(prefix=".old-", suffix="-" + name, dir=parent)
             os.rename(output, os.path.join(old, name))
@@ -332,6 +335,20 @@ def _write_atomically(output, fill):
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _same_mode_and_owner(path, st):
+    """Give directory ``path`` the permissions, owner and group of ``st`` (a directory the
+    export replaces); the owner and group only where this process may set them (as their
+    owner or root), and silently not elsewhere."""
+    os.chmod(path, stat.S_IMODE(st.st_mode))
+    try:
+        os.chown(path, st.st_uid, st.st_gid)
+    except PermissionError:
+        try:  # (a member of the group may still give it)
+            os.chown(path, -1, st.st_gid)
+        except PermissionError:
+            pass
 
 
 def _sync_directory(path):

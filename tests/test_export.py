@@ -9,6 +9,7 @@ by comparing log-probabilities of given targets (score_batch).
 import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -304,9 +305,16 @@ def test_existing_output_needs_force_and_the_run_is_untouched(trained, tmp_path,
     (model_dir / "stale.txt").write_text("from an older export\n")
     proc = _export("--run-dir", run, "--output", str(model_dir))
     _one_error_line(proc, "--force")
+    os.chmod(model_dir, 0o750)  # (a directory the user set up: replaced, it stays so)
+    if os.geteuid() == 0:
+        os.chown(model_dir, 1234, 5678)
     assert export.main(["ctranslate2", "--run-dir", run, "--output", str(model_dir),
                         "--force"]) == 0
     assert "stale.txt" not in os.listdir(model_dir) and "spm.model" in os.listdir(model_dir)
+    st = os.stat(model_dir)
+    assert stat.S_IMODE(st.st_mode) == 0o750
+    if os.geteuid() == 0:
+        assert (st.st_uid, st.st_gid) == (1234, 5678)
     assert sorted(os.listdir(tmp_path)) == ["model", "out"]  # no temporary left
     assert _tree(run) == before
 
