@@ -312,6 +312,22 @@ def test_max_updates_caps_the_plan(tmp_path):
         assert lr == linear_decay_lr(u, 32, 50, 80), u
 
 
+@pytest.mark.parametrize("data", [None, "d"])
+def test_max_updates_0_is_no_cap_for_the_plan(data):
+    """--max-time alone plans (the linear schedule to the deadline); so does --max-time with
+    --max-updates 0, which means no cap (it counted as a given cap: the run then kept the
+    inverse square root and ended at its time limit unannealed)."""
+    from minitransformer.mt import options
+    base = ["--max-time", "5"] + (["--data", data] if data else [])
+    for extra in ([], ["--max-updates", "0"]):
+        args = options.parse_args(base + extra)
+        options.fill_defaults(args)
+        assert args.lr_schedule == "linear" and options.plans_to_deadline(args), extra
+    args = options.parse_args(base + ["--max-updates", "100000"])  # a cap: as before
+    options.fill_defaults(args)
+    assert options.plans_to_deadline(args) == (data is not None)
+
+
 def test_linear_with_max_time_needs_no_max_updates(tmp_path):
     from minitransformer.mt import options
     args = options.parse_args(["--lr-schedule", "linear", "--max-time", "5", "--data", "d"])

@@ -325,7 +325,8 @@ def fill_defaults(args):
     if sizes_itself(args) and "lr_factor" not in args.explicit:
         from .autosize import LR_FACTOR
         args.lr_factor = LR_FACTOR
-    given = "max_updates" in args.explicit  # (not the synthetic corpus's default 600)
+    # (not the synthetic corpus's default 600; --max-updates 0 is no cap, as when not given)
+    given = "max_updates" in args.explicit and args.max_updates > 0
     if (not args.resume and args.max_time > 0 and "lr_schedule" not in args.explicit
             and (not given or (sizes_itself(args) and ("warmup" not in args.explicit
                                                        or args.max_updates > args.warmup)))):
