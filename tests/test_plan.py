@@ -182,6 +182,43 @@ def test_a_budget_shorter_than_the_warmup_decays_from_where_the_rate_is():
     assert lr0 == noam_lr(start, 64, 400) and p.lr(total) == 0.0
 
 
+def run_to_deadline(p, budget, rate_at, valid_every=0, valid_s=0.0):
+    """The trainer's loop on a clock: before each update the plan observes the clock; the run
+    stops when the plan is done or the budget is spent (train.py's --max-time). -> (the last
+    update made, the clock at the stop)."""
+    elapsed, u = 0.0, 0
+    while True:
+        p.observe(u, elapsed)
+        if p.done(u) or elapsed >= budget:
+            return u, elapsed
+        elapsed += rate_at(u + 1)
+        u += 1
+        if valid_every and u % valid_every == 0:
+            p.note("valid")
+            elapsed += valid_s
+
+
+@pytest.mark.parametrize("slow_at, factor", [(500, 2.0), (540, 3.0), (560, 1.5), (300, 1.3)])
+def test_a_machine_that_slows_late_still_ends_the_run_annealed(slow_at, factor):
+    """The updates take 1 s, then ``factor`` s from ``slow_at`` on, near the end of a 600 s
+    budget: the plan sees the updates left no longer fit at the recent rate and re-plans at
+    once (the moving average, over ~100 updates, lags; re-plans every 50 updates came too
+    late: the run reached its time limit with the rate at 8-40% of its peak). The run ends
+    at its planned update, the rate 0, within the budget."""
+    p = plan.DeadlinePlan(budget=600.0, d_model=64, warmup=50)
+    texts = []
+    real_describe = p._describe
+    p._describe = lambda *a: texts.append(real_describe(*a)[0]) or real_describe(*a)
+    last, elapsed = run_to_deadline(p, 600.0, lambda u: factor if u >= slow_at else 1.0)
+    assert p.done(last) and p.lr(last) == 0.0, (last, p.total, p.lr(last) / p.peak())
+    assert any(f"({factor:.3g} s/update lately, " in t for t in texts), texts
+    assert elapsed <= 600.0
+    steps = [p.lr(u + 1) - p.lr(u) for u in range(60, last)]  # falling, never jumping up
+    assert all(s <= 1e-15 for s in steps)
+    # it did not give up much of its budget to do so (the reserve and the slow updates)
+    assert elapsed >= 600.0 - (plan.RESERVE + 12) * factor, elapsed
+
+
 # --------------------------------------------------------------------- runs on a fake clock
 
 class FakeClock:

@@ -44,7 +44,11 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
   time left and the current r. If it differs by more than 1% of the updates left, the
   schedule gets a new piece [u, lr(u), N'] starting from the rate of the last update, so the
   rate stays continuous (before the warm-up ends only N changes). The run stops after update
-  N, whose rate is 0.
+  N, whose rate is 0. In the last 2 ``CHECK_EVERY`` updates of the plan the run also
+  re-plans as soon as the updates left no longer fit at the recent rate (the mean of the
+  last ``RECENT`` plain intervals, when above r), and plans there with the larger of the
+  two (``behind``): a machine that slows late, faster than r follows, would otherwise reach
+  --max-time before update N, its rate not yet 0.
 * **Checkpoints to average.** With ``--average-last n`` the test score averages the run's
   last n periodic checkpoints. When ``--save-every`` spaces them so far apart that they would
   reach back beyond the last quarter of the plan (a short budget), the run also saves at the
@@ -60,6 +64,7 @@ SKIP = 5  # the first updates of a run are slow (memory, caches): not measured
 MEASURE = 25  # plain updates measured before the first plan
 CHECK_EVERY = 50  # updates between re-plans
 RATE_MEMORY = 100  # the rate: a moving average over about this many updates
+RECENT = 8  # the recent rate: the mean of the last this many plain intervals (``behind``)
 RESERVE = 3  # updates' time kept free at the end (the last updates vary in length)
 WARMUP_FLOOR, WARMUP_MOST = 500, 0.4  # an unchosen warm-up: at least 500, at most 40% of N
 WARMUP_SHARE = 0.12  # an unchosen warm-up (train.py): 12% of the planned updates
@@ -176,6 +181,7 @@ class DeadlinePlan:
         self.total = cap or None  # N: the run stops after this update
         self.rate = self.valid_s = self.save_s = None
         self.measured = [0.0, 0]  # seconds and plain intervals before the first plan
+        self.recent = []  # the last RECENT plain intervals, once planned (s)
         self.last = None  # [update, elapsed] at the previous reading
         self.after = None  # "valid" or "save": what followed the update since that reading
         self.next_check = None
@@ -196,7 +202,7 @@ class DeadlinePlan:
 
     def state_dict(self):
         keys = ("pieces", "total", "rate", "valid_s", "save_s", "measured", "last", "after",
-                "next_check", "warmup", "warmup_share", "factor")
+                "next_check", "warmup", "warmup_share", "factor", "recent")
         return {k: getattr(self, k) for k in keys}
 
     def load_state_dict(self, state):
@@ -214,9 +220,30 @@ class DeadlinePlan:
         self._measure(update, elapsed - last[1], after)
         if self.rate is None:
             return None
-        if self.next_check is None or update >= self.next_check or after == "valid":
-            return self._plan(update, elapsed)
+        behind = self.behind(update, elapsed)
+        if self.next_check is None or update >= self.next_check or after == "valid" or behind:
+            return self._plan(update, elapsed, behind)
         return None
+
+    def _tail(self, update):
+        """Whether ``update`` lies in the plan's last 2 CHECK_EVERY updates."""
+        return self.total is not None and self.total - update <= 2 * CHECK_EVERY
+
+    def _planning_rate(self, update):
+        """The rate plans are made with: r, or in the plan's tail the recent rate when it is
+        higher (the last RECENT plain intervals' mean: r, a moving average, lags)."""
+        if not self._tail(update) or len(self.recent) < RECENT:
+            return self.rate
+        return max(self.rate, sum(self.recent) / len(self.recent))
+
+    def behind(self, update, elapsed):
+        """In the plan's tail: whether the updates left (and the validations and checkpoints
+        due) no longer fit in the time left at the recent rate (``_planning_rate``)."""
+        rate = self._planning_rate(update)
+        return (self._tail(update) and rate > self.rate and update < self.total and
+                plan_updates(update, elapsed, self.budget, rate, self.valid_s or 0.0,
+                             self.save_s or 0.0, self.valid_every, self.save_every, self.cap,
+                             self.average_last) < self.total)
 
     def _measure(self, update, seconds, after):
         base = self.rate if self.rate is not None else (
@@ -233,14 +260,15 @@ class DeadlinePlan:
                 self.rate = self.measured[0] / self.measured[1]
         else:
             self.rate += (seconds - self.rate) / RATE_MEMORY
+            self.recent = (self.recent + [seconds])[-RECENT:]
 
-    def _plan(self, update, elapsed):
+    def _plan(self, update, elapsed, behind=False):
         first, old = self.next_check is None, self.total
         self.next_check = update + CHECK_EVERY
-        n = plan_updates(update, elapsed, self.budget, self.rate, self.valid_s or 0.0,
-                         self.save_s or 0.0, self.valid_every, self.save_every, self.cap,
-                         self.average_last)
-        if not first and abs(n - old) <= (old - update) // 100:
+        n = plan_updates(update, elapsed, self.budget, self._planning_rate(update),
+                         self.valid_s or 0.0, self.save_s or 0.0, self.valid_every,
+                         self.save_every, self.cap, self.average_last)
+        if not first and not behind and abs(n - old) <= (old - update) // 100:
             return None  # within 1% of the updates left: keep the schedule as it is
         before, climb = self.lr(update), None  # (the rate of the update just made)
         if first and self.warmup_share:  # (the warm-up was not chosen: fit it to the plan)
@@ -341,9 +369,12 @@ class DeadlinePlan:
             text = (f"plan: {self.total} updates in {minutes:g} min ({self.rate:.3g} s/update "
                     f"measured, {valid})")
         else:
+            rate = self._planning_rate(update)
+            speed = (f"{rate:.3g} s/update lately, {self.rate:.3g} on average"
+                     if rate > self.rate else f"{self.rate:.3g} s/update")
             text = (f"re-plan at update {update}: {old} -> {self.total} updates "
-                    f"({self.rate:.3g} s/update, {valid}; "
-                    f"{(self.budget - elapsed) / 60:.2f} of {minutes:g} min left)")
+                    f"({speed}, {valid}; {(self.budget - elapsed) / 60:.2f} of {minutes:g} "
+                    "min left)")
         if self.cap and self.total == self.cap:
             text += f"; capped by --max-updates {self.cap}"
         if update < self.warmup >= self.total > update and not self.warmup_share:  # (chosen)
