@@ -69,7 +69,7 @@ def test_row_kernels_compile_with_nvrtc(arch):
     names = ck.row_kernel_names()
     lowered = _compile(nvrtc, ck.ROW_KERNELS_SOURCE, names,
                        ck.ROW_KERNEL_OPTIONS + (f"-arch={arch}",))
-    assert len(names) == 21 and all(lowered)
+    assert len(names) == 24 and all(lowered)
 
 
 def elementwise_as_raw_kernel(in_params, out_params, operation, ctype):
@@ -475,6 +475,23 @@ class TestParity:
                          RTOL.get(dtype, 1e-3), ATOL.get(dtype, 1e-3), "normalised rows")
         else:
             np.testing.assert_array_equal(got, want)
+
+    @pytest.mark.parametrize("dtype", FLOATS + [np.float16])
+    def test_bias_relu_is_the_two_calls_it_replaces(self, cp, dtype):
+        """h += b (the bias in the accumulation dtype), then maximum(h, 0, out=h): the same
+        numbers, bit for bit, NaN kept; awkward F."""
+        rng = _rng()
+        acc = np.float32 if dtype == np.float16 else dtype
+        h = rng.standard_normal((9, 77)).astype(dtype)
+        h[3, 5] = np.nan
+        b = rng.standard_normal(77).astype(acc)
+        want = cp.asarray(h)
+        want += cp.asarray(b)
+        cp.maximum(want, 0, out=want)
+        got = cp.asarray(h)
+        assert ck.bias_relu_(got, cp.asarray(b)) is got
+        np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(want))
+        assert np.isnan(backend.to_numpy(got)[3, 5])
 
     # a decoding step's attention
     @staticmethod

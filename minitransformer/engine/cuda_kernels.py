@@ -8,6 +8,7 @@ order and contracted multiply-adds.
     layer_norm_forward / layer_norm_backward    layernorm.py
     bias_residual_layer_norm                    a post-norm sub-layer's end in a decoding
                                                 step: + bias, + residual, layernorm.py
+    bias_relu_                                  a decoding step's x W_1 + b_1, then ReLU
     masked_softmax_                             attention.py (bias, softmax, masked rows)
     dropout_residual                            ops.py Dropout, then the residual add
     smoothed_ce_chunk                           linear_cross_entropy.py, one chunk of rows
@@ -174,6 +175,22 @@ def bias_residual_layer_norm(f, b, x, gamma, beta, eps=1e-5):
         _row_kernel("bias_residual_layer_norm", f.dtype)(
             (rows,), (_threads(D),), (f, b, x, gamma, beta, y, np.int32(D), np.float64(eps)))
     return y
+
+
+def bias_relu_(h, b):
+    """In place: h <- max(h + b, 0), the first feed-forward product of a decoding step
+    finished (FeedForward.step), as Linear.step adds the bias (in h's dtype) and
+    ``maximum(h, 0, out=h)`` then runs: the same numbers, one launch instead of two. h: C
+    contiguous (..., F); b: (F,) in the accumulation dtype. Returns h. One block per row."""
+    cp = _cupy()
+    if not h.flags.c_contiguous:
+        raise ValueError("bias_relu_ works in place and needs a C-contiguous array")
+    F = h.shape[-1]
+    b = cp.ascontiguousarray(b, dtype=backend.accumulation_dtype(h.dtype))
+    rows = h.size // F if F else 0
+    if rows:
+        _row_kernel("bias_relu", h.dtype)((rows,), (_threads(F),), (h, b, np.int32(F)))
+    return h
 
 
 # ---- masked softmax ----------------------------------------------------------------------------

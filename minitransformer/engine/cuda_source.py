@@ -147,6 +147,20 @@ __global__ void bias_residual_layer_norm(const T* f, const typename Acc<T>::type
     }
 }
 
+// ---- a decoding step's first feed-forward product, finished: one block per row of F ----
+// h = max(h + b, 0) in place: b the product's bias (in the accumulator type), the sum rounded
+// to T as Linear.step rounds it, then the ReLU (NaN stays NaN, as maximum keeps it).
+template <typename T>
+__global__ void bias_relu(T* h, const typename Acc<T>::type* b, int F) {
+    typedef Acc<T> C;
+    typedef typename C::type A;
+    h += (long long)blockIdx.x * F;
+    for (int j = threadIdx.x; j < F; j += blockDim.x) {
+        const A v = C::load(C::store(C::load(h[j]) + b[j]));
+        h[j] = C::store(v < A(0) ? A(0) : v);
+    }
+}
+
 // ---- LayerNorm backward (dx only): one block per row of D ----
 // dxh = dy * gamma,  dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat)).
 // rstd and gamma in the accumulator type, as the forward takes them.
@@ -419,7 +433,8 @@ __global__ void decode_attention(const T* q, const T* k_new, const T* v_new, lon
 """
 
 ROW_KERNELS = ("layer_norm_forward", "layer_norm_backward", "masked_softmax", "smoothed_ce_chunk",
-               "top_m_log_softmax", "decode_attention", "bias_residual_layer_norm")
+               "top_m_log_softmax", "decode_attention", "bias_residual_layer_norm",
+               "bias_relu")
 TOP_M_MAX = 16  # the most candidates top_m_log_softmax takes per row (its TOP_M_MAX)
 DECODE_MAX_KEYS, DECODE_MAX_K = 1024, 256  # decode_attention's limits (its #defines)
 STORAGE_TYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "float",
@@ -428,7 +443,7 @@ ROW_KERNEL_OPTIONS = ("--std=c++14",)
 
 
 def row_kernel_names():
-    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (21 of them)."""
+    """The template instantiations compiled, e.g. 'layer_norm_forward<float>' (24 of them)."""
     return [f"{k}<{c}>" for k in ROW_KERNELS for c in STORAGE_TYPES.values()]
 
 

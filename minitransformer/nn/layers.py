@@ -192,8 +192,13 @@ class FeedForward(Module):
     def step(self, x, add_bias=True):
         """forward on a raw array (R, D) in evaluation mode (dropout off), recording nothing;
         ``add_bias=False`` leaves W_2's bias to the caller (SublayerConnection.step)."""
-        h = self.w1.step(x)
-        return self.w2.step(backend.get_array_module(h).maximum(h, 0, out=h), add_bias)  # ReLU
+        xp = backend.get_array_module(x)
+        if cuda_kernels.step_kernels(xp) and self.w1.bias is not None:  # (one kernel: + b, ReLU)
+            h = cuda_kernels.bias_relu_(self.w1.step(x, add_bias=False), self.w1.bias.data)
+        else:
+            h = self.w1.step(x)
+            h = xp.maximum(h, 0, out=h)  # ReLU
+        return self.w2.step(h, add_bias)
 
 
 class SublayerConnection(Module):
