@@ -45,10 +45,11 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
   schedule gets a new piece [u, lr(u), N'] starting from the rate of the last update, so the
   rate stays continuous (before the warm-up ends only N changes). The run stops after update
   N, whose rate is 0. In the last 2 ``CHECK_EVERY`` updates of the plan the run also
-  re-plans as soon as the updates left no longer fit at the recent rate (the mean of the
-  last ``RECENT`` plain intervals, when above r), and plans there with the larger of the
-  two (``behind``): a machine that slows late, faster than r follows, would otherwise reach
-  --max-time before update N, its rate not yet 0.
+  re-plans as soon as the updates left no longer fit at the recent rate (the median of the
+  last ``RECENT`` plain intervals, when ``SLOWER`` times r or more: one slow update does not
+  move it, nor does a noisy machine's scatter), and plans there with it (``behind``): a
+  machine that slows late, faster than r follows, would otherwise reach --max-time before
+  update N, its rate not yet 0.
 * **Checkpoints to average.** With ``--average-last n`` the test score averages the run's
   last n periodic checkpoints. When ``--save-every`` spaces them so far apart that they would
   reach back beyond the last quarter of the plan (a short budget), the run also saves at the
@@ -64,7 +65,8 @@ SKIP = 5  # the first updates of a run are slow (memory, caches): not measured
 MEASURE = 25  # plain updates measured before the first plan
 CHECK_EVERY = 50  # updates between re-plans
 RATE_MEMORY = 100  # the rate: a moving average over about this many updates
-RECENT = 8  # the recent rate: the mean of the last this many plain intervals (``behind``)
+RECENT = 8  # the recent rate: the median of the last this many plain intervals (``behind``)
+SLOWER = 1.25  # ... counted once it is this many times r (a noisy machine's median strays less)
 RESERVE = 3  # updates' time kept free at the end (the last updates vary in length)
 WARMUP_FLOOR, WARMUP_MOST = 500, 0.4  # an unchosen warm-up: at least 500, at most 40% of N
 WARMUP_SHARE = 0.12  # an unchosen warm-up (train.py): 12% of the planned updates
@@ -231,10 +233,13 @@ class DeadlinePlan:
 
     def _planning_rate(self, update):
         """The rate plans are made with: r, or in the plan's tail the recent rate when it is
-        higher (the last RECENT plain intervals' mean: r, a moving average, lags)."""
+        SLOWER times r or more (the last RECENT plain intervals' median: r, a moving
+        average over about RATE_MEMORY updates, lags behind a machine that slows late)."""
         if not self._tail(update) or len(self.recent) < RECENT:
             return self.rate
-        return max(self.rate, sum(self.recent) / len(self.recent))
+        ordered = sorted(self.recent)
+        median = (ordered[(RECENT - 1) // 2] + ordered[RECENT // 2]) / 2
+        return median if median >= SLOWER * self.rate else self.rate
 
     def behind(self, update, elapsed):
         """In the plan's tail: whether the updates left (and the validations and checkpoints
@@ -264,10 +269,20 @@ class DeadlinePlan:
 
     def _plan(self, update, elapsed, behind=False):
         first, old = self.next_check is None, self.total
-        self.next_check = update + CHECK_EVERY
-        n = plan_updates(update, elapsed, self.budget, self._planning_rate(update),
-                         self.valid_s or 0.0, self.save_s or 0.0, self.valid_every,
-                         self.save_every, self.cap, self.average_last)
+        rate = self._planning_rate(update)
+        costs = (self.valid_s or 0.0, self.save_s or 0.0, self.valid_every, self.save_every)
+        n = plan_updates(update, elapsed, self.budget, rate, *costs, self.cap,
+                         self.average_last)
+        if not first and n == update < old and remaining_seconds(
+                update, update + 1, rate, *costs, self.average_last) <= self.budget - elapsed:
+            # nothing more fits with the reserve kept, and the update just made had a rate
+            # above 0: one more, at rate 0, in the reserve (which is there for the last
+            # updates), so that the run still ends annealed
+            n = update + 1
+        # (in the plan's tail, the next check comes after a quarter of the updates left: a
+        # plan that a slow stretch shortened can lengthen again)
+        self.next_check = update + (min(CHECK_EVERY, max(1, (n - update) // 4))
+                                    if n - update <= 2 * CHECK_EVERY else CHECK_EVERY)
         if not first and not behind and abs(n - old) <= (old - update) // 100:
             return None  # within 1% of the updates left: keep the schedule as it is
         before, climb = self.lr(update), None  # (the rate of the update just made)
