@@ -315,12 +315,13 @@ def _write_atomically(output, fill):
         fill(tmp)
         _sync_directory(tmp)
         os.chmod(tmp, 0o777 & ~umask())
-        if os.path.isdir(output):  # the model replaced keeps its directory's mode and owner
-            _same_mode_and_owner(tmp, os.stat(output))
+        was = os.stat(output) if os.path.isdir(output) else None
         if os.path.isdir(output) and os.listdir(output):
             old = tempfile.mkdtemp(prefix=".old-", suffix="-" + name, dir=parent)
             os.rename(output, os.path.join(old, name))
         os.replace(tmp, output)
+        if was is not None:  # the directory replaced: its mode and owner stay (set once in
+            _same_mode_and_owner(output, was)  # place: a failure before leaves tmp removable)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         moved = None if old is None else os.path.join(old, name)

@@ -435,3 +435,39 @@ def test_a_bent_linear_run_given_max_time_on_resume_keeps_its_line(tmp_path):
     for u in (stopped, stopped + 1):  # (the first plan comes ~30 updates after the resume)
         assert rates[u] == pytest.approx(rate * (200 - u) / (200 - bent), rel=1e-12), u
     assert max(rates) == 200 and rates[200] == 0.0
+
+
+def test_the_log_window_a_checkpoint_keeps_includes_the_all_reduce_time(tmp_path):
+    """Under mpiexec a log line also gives the all-reduce's share of an update: a window
+    stopped after 5 updates and resumed in a new process (whose communicator counts from 0)
+    gives the uninterrupted line's 100 of 200 ms (it gave 50: the first 5 updates' all-reduce
+    time was lost)."""
+    from minitransformer.mt.log import Log
+
+    class Comm:
+        allreduce_s = 0.0
+
+    def updates(log, comm, n):
+        for _ in range(n):
+            comm.allreduce_s += 0.1  # 100 ms of all-reduce in each 200 ms update
+            log.add_update(2.0, 1, 0.2)
+
+    def line(path):
+        return [json.loads(s) for s in open(path)][-1]
+
+    comm = Comm()
+    whole = Log(str(tmp_path / "a"), 0, False, comm=comm)
+    updates(whole, comm, 10)
+    whole.update_line(10, 0, 1e-3, 2.0)
+    first = Comm()
+    stopped = Log(str(tmp_path / "b"), 0, False, comm=first)
+    updates(stopped, first, 5)
+    kept = json.loads(json.dumps(stopped.window()))  # (as the checkpoint's meta holds it)
+    second = Comm()
+    resumed = Log(str(tmp_path / "b"), 0, False, comm=second)
+    resumed.restore_window(kept)
+    updates(resumed, second, 5)
+    resumed.update_line(10, 0, 1e-3, 2.0)
+    a, b = line(tmp_path / "a"), line(tmp_path / "b")
+    assert a["allreduce_s"] == pytest.approx(0.1) and b["allreduce_s"] == pytest.approx(0.1)
+    assert (a["loss"], a["update_s"]) == (b["loss"], b["update_s"])

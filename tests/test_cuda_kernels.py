@@ -618,7 +618,7 @@ class TestParity:
                                 "q_bias": cp.zeros(16, dtype=np.float32)},
                                "q_bias comes with k_bias and v_bias"),
                               ({"n": 5, "q_bias": cp.zeros(8, dtype=np.float32)},
-                               "projection bias must be contiguous")):
+                               "a projection bias must be \\(16,\\)")):
             n = kwargs.pop("n")
             with pytest.raises(ValueError, match=match):
                 ck.decode_attention(q, kv, kv, n, **kwargs)

@@ -367,6 +367,36 @@ def test_a_failed_replace_keeps_the_previous_model(trained, tmp_path, monkeypatc
     assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")] == []
 
 
+def test_a_failed_replace_of_a_read_only_model_leaves_no_temporary(trained, tmp_path,
+                                                                    monkeypatch):
+    # a model directory of mode 0o555: the new model takes that mode only once it is in
+    # place, so when moving the old one aside fails, the temporary is still writable and is
+    # removed (with the mode copied first, rmtree could not empty it, except as root)
+    run, _, _ = trained
+    out = tmp_path / "model"
+    assert export.main(["ctranslate2", "--run-dir", run, "--output", str(out)]) == 0
+    before = _tree(out)
+    os.chmod(out, 0o555)
+    modes = []
+
+    def fail_moving_aside(src, dst):
+        modes.extend(stat.S_IMODE(os.stat(tmp_path / p).st_mode)
+                     for p in os.listdir(tmp_path) if p.startswith(".tmp-"))
+        raise PermissionError(13, "Permission denied", src)
+
+    monkeypatch.setattr(export.os, "rename", fail_moving_aside)
+    try:
+        assert export.main(["ctranslate2", "--run-dir", run, "--output", str(out),
+                            "--force"]) == 1  # (an OSError: as in the test above)
+    finally:
+        os.chmod(out, 0o755)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert modes == [0o777 & ~umask]  # (not the replaced directory's 0o555 yet)
+    assert [p for p in os.listdir(tmp_path) if p.startswith((".tmp-", ".old-"))] == []
+    assert _tree(out) == before
+
+
 def test_average_last_exports_the_average(trained, tmp_path, capsys):
     run, _, _ = trained
     out = export.export_ctranslate2(run, tmp_path / "avg", average_last=3)

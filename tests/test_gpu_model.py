@@ -148,3 +148,22 @@ def test_decoding_steps_with_the_attention_kernel_match_forward(dtype, monkeypat
         outputs[on] = (greedy_search(model, src, max_len_a=6),
                        beam_search(model, src, beam=3, max_len_a=6))
     assert outputs[True] == outputs[False]
+
+
+def test_a_float16_model_decodes_with_the_step_kernels(monkeypatch):
+    """A model whose parameters are float16 (not mixed precision: its biases are float16
+    too): the step kernels take the biases widened to float32 (exactly), and greedy and
+    beam search give the outputs of the step without them (the projection biases were
+    refused: float16, not the accumulation dtype)."""
+    from minitransformer.engine import cuda_kernels
+    from minitransformer.mt.search import beam_search, greedy_search
+    cfg = TransformerConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2,
+                            dropout=0.0)
+    model = Transformer(cfg, seed=5, device=DEVICE, dtype=np.float16)
+    src = np.random.default_rng(3).integers(4, 40, (3, 7))
+    outputs = {}
+    for on in (True, False):
+        monkeypatch.setattr(cuda_kernels, "DECODE_STEP_KERNELS", on)
+        outputs[on] = (greedy_search(model, src, max_len_a=6),
+                       beam_search(model, src, beam=3, max_len_a=6))
+    assert outputs[True] == outputs[False]

@@ -359,8 +359,8 @@ def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=N
     (N, ..., S) in the accumulator dtype (engine/attention.key_bias), S >= n, contiguous
     along S. k_new, v_new (self-attention; group 1): this step's keys and values, strides as
     q, written at position n - 1 of keys and values first (the cache's append). q_bias
-    (and with k_new, k_bias and v_bias): (H*K,) in the accumulation dtype, the projections'
-    biases, when q (k_new, v_new) are the products without them: added first, as
+    (and with k_new, k_bias and v_bias): (H*K,), the projections' biases (used in the
+    accumulation dtype), when q (k_new, v_new) are the products without them: added first, as
     Linear.step adds them (one launch fewer each). Each step is
     rounded to q's dtype as the array ops round it; float16 accumulates in float32; only
     the summation order differs. Returns out (R, H*K) in q's dtype. One block per (row,
@@ -399,9 +399,12 @@ def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=N
         raise ValueError("decode_attention: q_bias comes with k_bias and v_bias when k_new is "
                          "given, and alone otherwise")
     for b in proj if has_proj_bias else ():
-        if b.shape != (H * K,) or b.dtype != acc or b.strides[0] != b.itemsize:
-            raise ValueError(f"decode_attention: a projection bias must be contiguous "
-                             f"({H * K},) in {np.dtype(acc)}, got {tuple(b.shape)} {b.dtype}")
+        if b.shape != (H * K,):
+            raise ValueError(f"decode_attention: a projection bias must be ({H * K},), got "
+                             f"{tuple(b.shape)}")
+    if has_proj_bias:  # (in the accumulation dtype: float16 biases widen exactly)
+        q_bias, k_bias, v_bias = (None if b is None else cp.ascontiguousarray(b, dtype=acc)
+                                  for b in (q_bias, k_bias, v_bias))
     bs = 0
     if bias is not None:
         if bias.dtype != acc or bias.strides[-1] != bias.itemsize or bias.shape[-1] < n \

@@ -22,15 +22,18 @@ class Log:
 
     def window(self):
         """The window so far (updates since the last line: their summed loss, tokens,
-        seconds and count), which a checkpoint keeps so that a resumed run's next line
-        averages the same updates as an uninterrupted run's."""
+        seconds, count and, under mpiexec, all-reduce seconds), which a checkpoint keeps so
+        that a resumed run's next line averages the same updates as an uninterrupted run's."""
         return {"loss": self.loss, "tokens": self.tokens, "seconds": self.seconds,
-                "updates": self.updates}
+                "updates": self.updates,
+                "allreduce_s": self.comm.allreduce_s - self.allreduce_s if self.comm else 0.0}
 
     def restore_window(self, window):
         """Go on from a checkpoint's ``window()``."""
         self.loss, self.tokens = float(window["loss"]), int(window["tokens"])
         self.seconds, self.updates = float(window["seconds"]), int(window["updates"])
+        if self.comm:  # (the communicator's count starts again at 0 in this process)
+            self.allreduce_s = self.comm.allreduce_s - float(window.get("allreduce_s", 0.0))
 
     def add_update(self, loss_sum, tokens, seconds):
         """One update (applied or skipped) into the window."""
