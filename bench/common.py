@@ -108,6 +108,43 @@ def decode_batches(n_sentences, V, seed, max_tokens=4096, pad_id=0, eos_id=3):
             for rows in length_batches(srcs, max_tokens)]
 
 
+
+def gpu_decoding_models(configs):
+    """-> (name, model, decoding batches) of each config on the GPU: the untrained model
+    (seed 0) and the sentences of bench.py's decoding rows, for the A/B scripts
+    (bench/beam_kernel_ab.py, bench/decode_kernels_ab.py)."""
+    import minitransformer.nn.transformer as tr
+    for name in configs:
+        cfg = {**model_config(name), "max_positions": 1024}
+        model = tr.Transformer(tr.TransformerConfig.from_dict(cfg), seed=0, device="cuda")
+        yield name, model, decode_batches(CONFIGS[name]["decode_sentences"], cfg["vocab_size"], 1)
+
+
+def interleaved(runs, sync, rounds=6):
+    """Each of ``runs`` ({label: function -> outputs}) in turn, ``rounds`` times (the first
+    round a warm-up), timed between ``sync`` calls -> ({label: median seconds of the other
+    rounds}, {label: its outputs})."""
+    times, outputs = {label: [] for label in runs}, {}
+    for _ in range(rounds):
+        for label, run in runs.items():
+            sync()
+            t0 = time.perf_counter()
+            outputs[label] = run()
+            sync()
+            times[label].append(time.perf_counter() - t0)
+    return {label: statistics.median(t[1:]) for label, t in times.items()}, outputs
+
+
+def ab_line(name, what, med, outputs, new, old):
+    """The A/B scripts' line: ``what`` timed with (``new``) and without (``old``), the
+    ratio, and how many of the sentences (``outputs``: label -> batches of outputs) came out
+    the same."""
+    same = sum(a == b for x, y in zip(outputs[new], outputs[old]) for a, b in zip(x, y))
+    n = sum(len(x) for x in outputs[new])
+    return (f"{name}: {what} over {n} sentences, median of 5: with {med[new]:.3f} s, without "
+            f"{med[old]:.3f} s -> {med[old] / med[new]:.2f}x; identical translations "
+            f"{same}/{n}")
+
 def shard_rows(batch, rank, size, pad_id=0):
     """Rank ``rank``'s share of a padded batch for ``size`` data-parallel ranks, as train.py
     takes it: the rows split by ``mt.data.split_batch`` (about equal target tokens), each

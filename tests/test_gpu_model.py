@@ -95,7 +95,6 @@ def test_decoding_steps_with_the_attention_kernel_match_forward(dtype, monkeypat
     sentence with reordered histories, a sentence gone, and a cache grown past its first
     capacity; greedy and beam search give the same outputs either way."""
     from minitransformer.engine import cuda_kernels
-    from minitransformer.mt.search import beam_search, greedy_search
     from minitransformer.nn.decoder_state import SelfCache
     from minitransformer.settings import SETTINGS
     cfg = TransformerConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2,
@@ -142,12 +141,7 @@ def test_decoding_steps_with_the_attention_kernel_match_forward(dtype, monkeypat
     whole = model.logits(model.decode(history, memory, mask)).data[:, -1]
     np.testing.assert_allclose(fused[history.shape[1] - 1], backend.to_numpy(whole),
                                rtol=rtol, atol=rtol)
-    outputs = {}
-    for on in (False, True):
-        monkeypatch.setattr(SETTINGS, "fused", on)
-        outputs[on] = (greedy_search(model, src, max_len_a=6),
-                       beam_search(model, src, beam=3, max_len_a=6))
-    assert outputs[True] == outputs[False]
+    assert _searches_alike(model, src, monkeypatch, SETTINGS, "fused")
 
 
 def test_a_float16_model_decodes_with_the_step_kernels(monkeypatch):
@@ -156,14 +150,19 @@ def test_a_float16_model_decodes_with_the_step_kernels(monkeypatch):
     beam search give the outputs of the step without them (the projection biases were
     refused: float16, not the accumulation dtype)."""
     from minitransformer.engine import cuda_kernels
-    from minitransformer.mt.search import beam_search, greedy_search
     cfg = TransformerConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2,
                             dropout=0.0)
     model = Transformer(cfg, seed=5, device=DEVICE, dtype=np.float16)
     src = np.random.default_rng(3).integers(4, 40, (3, 7))
-    outputs = {}
+    assert _searches_alike(model, src, monkeypatch, cuda_kernels, "DECODE_STEP_KERNELS")
+
+
+def _searches_alike(model, src, monkeypatch, owner, switch):
+    """Whether greedy and beam 3 give the same outputs with ``owner.switch`` on and off."""
+    from minitransformer.mt.search import beam_search, greedy_search
+    outputs = []
     for on in (True, False):
-        monkeypatch.setattr(cuda_kernels, "DECODE_STEP_KERNELS", on)
-        outputs[on] = (greedy_search(model, src, max_len_a=6),
-                       beam_search(model, src, beam=3, max_len_a=6))
-    assert outputs[True] == outputs[False]
+        monkeypatch.setattr(owner, switch, on)
+        outputs.append((greedy_search(model, src, max_len_a=6),
+                        beam_search(model, src, beam=3, max_len_a=6)))
+    return outputs[0] == outputs[1]

@@ -78,73 +78,79 @@ template <typename A> __device__ A block_max(A v, A* shared, A identity) {
     return warp_max(lane < (int)(blockDim.x >> 5) ? shared[lane] : identity);
 }
 
-// ---- LayerNorm forward: one block per row of D; thread i handles j = i, i + blockDim, ... ----
-// mean = sum(x) / D, var = sum((x - mean)^2) / D (two passes), rstd = 1 / sqrt(var + eps),
-// x_hat = (x - mean) * rstd, y = x_hat * gamma + beta. gamma, beta and rstd are in the
-// accumulator type (float32 for float16 x: the master weights are not rounded to float16).
-template <typename T>
-__global__ void layer_norm_forward(const T* x, const typename Acc<T>::type* gamma,
-                                   const typename Acc<T>::type* beta, T* y, T* x_hat,
-                                   typename Acc<T>::type* rstd, int D, double eps) {
+// ---- LayerNorm of one row, from its values v(j): thread i takes j = i, i + blockDim, ... ----
+// mean = sum(v) / D, var = sum((v - mean)^2) / D (two passes), rstd = 1 / sqrt(var + eps),
+// x_hat = (v - mean) * rstd (written when x_hat is given), y = x_hat * gamma + beta. gamma
+// and beta in the accumulator type (float32 for float16: the master weights are not rounded
+// to float16). -> rstd. Row: a functor, the row's values in the accumulator type.
+template <typename T, typename Row>
+__device__ typename Acc<T>::type normalize_row(const Row& v, const typename Acc<T>::type* gamma,
+                                               const typename Acc<T>::type* beta, T* y,
+                                               T* x_hat, int D, double eps,
+                                               typename Acc<T>::type* shared) {
     typedef Acc<T> C;
     typedef typename C::type A;
-    __shared__ A shared[32];
-    const long long off = (long long)blockIdx.x * D;
-    x += off; y += off; x_hat += off;
     A sum = 0;
-    for (int j = threadIdx.x; j < D; j += blockDim.x) sum += C::load(x[j]);
+    for (int j = threadIdx.x; j < D; j += blockDim.x) sum += v(j);
     const A mean = block_sum(sum, shared) / A(D);
     A sq = 0;
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
-        const A c = C::load(x[j]) - mean;
+        const A c = v(j) - mean;
         sq += c * c;
     }
     const A var = block_sum(sq, shared) / A(D);
     const A r = A(1) / sqrt(var + A(eps));
     for (int j = threadIdx.x; j < D; j += blockDim.x) {
-        const A xh = (C::load(x[j]) - mean) * r;
-        x_hat[j] = C::store(xh);
+        const A xh = (v(j) - mean) * r;
+        if (x_hat) x_hat[j] = C::store(xh);
         y[j] = C::store(xh * gamma[j] + beta[j]);
     }
+    return r;
+}
+
+template <typename T> struct Loaded {  // a row as stored
+    const T* x;
+    __device__ typename Acc<T>::type operator()(int j) const { return Acc<T>::load(x[j]); }
+};
+
+// v = x + (f + b): f a sub-layer's output before its last bias b (in the accumulator type,
+// as the master weights are), x the residual; each sum rounded to T as the array ops round
+// them.
+template <typename T> struct ResidualSum {
+    const T* f;
+    const typename Acc<T>::type* b;
+    const T* x;
+    __device__ typename Acc<T>::type operator()(int j) const {
+        typedef Acc<T> C;
+        return C::load(C::store(C::load(x[j]) + C::load(C::store(C::load(f[j]) + b[j]))));
+    }
+};
+
+// ---- LayerNorm forward: one block per row of D (normalize_row) ----
+template <typename T>
+__global__ void layer_norm_forward(const T* x, const typename Acc<T>::type* gamma,
+                                   const typename Acc<T>::type* beta, T* y, T* x_hat,
+                                   typename Acc<T>::type* rstd, int D, double eps) {
+    __shared__ typename Acc<T>::type shared[32];
+    const long long off = (long long)blockIdx.x * D;
+    const Loaded<T> row = {x + off};
+    const typename Acc<T>::type r = normalize_row<T>(row, gamma, beta, y + off, x_hat + off, D,
+                                                     eps, shared);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
 }
 
 // ---- the end of a post-norm sub-layer in a decoding step: one block per row of D ----
-// v = x + (f + b): f the sub-layer's output before its last bias b (in the accumulator type,
-// as the master weights are), x the residual; each sum rounded to T as the array ops round
-// them. Then y = LayerNorm(v) exactly as layer_norm_forward computes it (x_hat and rstd not
-// written: a decoding step has no backward).
-template <typename T>
-__device__ typename Acc<T>::type residual_sum(const T* f, const typename Acc<T>::type* b,
-                                              const T* x, int j) {
-    typedef Acc<T> C;
-    return C::load(C::store(C::load(x[j]) + C::load(C::store(C::load(f[j]) + b[j]))));
-}
-
+// y = LayerNorm(x + (f + b)) (ResidualSum), as layer_norm_forward computes it (x_hat and
+// rstd not written: a decoding step has no backward).
 template <typename T>
 __global__ void bias_residual_layer_norm(const T* f, const typename Acc<T>::type* b, const T* x,
                                          const typename Acc<T>::type* gamma,
                                          const typename Acc<T>::type* beta, T* y, int D,
                                          double eps) {
-    typedef Acc<T> C;
-    typedef typename C::type A;
-    __shared__ A shared[32];
+    __shared__ typename Acc<T>::type shared[32];
     const long long off = (long long)blockIdx.x * D;
-    f += off; x += off; y += off;
-    A sum = 0;
-    for (int j = threadIdx.x; j < D; j += blockDim.x) sum += residual_sum(f, b, x, j);
-    const A mean = block_sum(sum, shared) / A(D);
-    A sq = 0;
-    for (int j = threadIdx.x; j < D; j += blockDim.x) {
-        const A c = residual_sum(f, b, x, j) - mean;
-        sq += c * c;
-    }
-    const A var = block_sum(sq, shared) / A(D);
-    const A r = A(1) / sqrt(var + A(eps));
-    for (int j = threadIdx.x; j < D; j += blockDim.x) {
-        const A xh = (residual_sum(f, b, x, j) - mean) * r;
-        y[j] = C::store(xh * gamma[j] + beta[j]);
-    }
+    const ResidualSum<T> row = {f + off, b, x + off};
+    normalize_row<T>(row, gamma, beta, y + off, (T*)0, D, eps, shared);
 }
 
 // ---- a decoding step's first feed-forward product, finished: one block per row of F ----
