@@ -232,6 +232,17 @@ def test_one_slow_update_late_does_not_cut_the_plan_short(slow_at, seconds):
     assert 600.0 - (plan.RESERVE + 2) <= elapsed <= 600.0
 
 
+@pytest.mark.parametrize("slow_from", [584, 589, 594])
+def test_the_last_update_at_rate_0_is_made_only_when_it_fits_at_the_last_rate(slow_from):
+    """Updates slow 5x a few updates before the end, too late for the median to show it:
+    the one more update at rate 0 (for a run that finds nothing more fits) is made only if
+    it fits at the last update's pace too (at the moving average it ran 3 s over a 600 s
+    budget); the run ends within its budget."""
+    p = plan.DeadlinePlan(budget=600.0, d_model=64, warmup=50)
+    last, elapsed = run_to_deadline(p, 600.0, lambda u: 5.0 if u >= slow_from else 1.0)
+    assert elapsed <= 600.0, (last, elapsed)
+
+
 def test_a_noisy_machine_ends_annealed_and_near_its_budget():
     """Updates of 1 s +- 0.4 (Gaussian), a 15 s validation every 50, 60 seeds: every run
     ends at its planned update with the rate 0 (a last re-plan that leaves nothing more

@@ -273,11 +273,13 @@ class DeadlinePlan:
         costs = (self.valid_s or 0.0, self.save_s or 0.0, self.valid_every, self.save_every)
         n = plan_updates(update, elapsed, self.budget, rate, *costs, self.cap,
                          self.average_last)
+        last = max(rate, self.recent[-1]) if self.recent else rate  # (the last update's)
         if not first and n == update < old and remaining_seconds(
-                update, update + 1, rate, *costs, self.average_last) <= self.budget - elapsed:
+                update, update + 1, last, *costs, self.average_last) <= self.budget - elapsed:
             # nothing more fits with the reserve kept, and the update just made had a rate
             # above 0: one more, at rate 0, in the reserve (which is there for the last
-            # updates), so that the run still ends annealed
+            # updates), when it fits at the rate of the last one too (a slowdown the median
+            # does not show yet), so that the run still ends annealed
             n = update + 1
         # (in the plan's tail, the next check comes after a quarter of the updates left: a
         # plan that a slow stretch shortened can lengthen again)
