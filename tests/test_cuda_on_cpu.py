@@ -298,8 +298,8 @@ def test_shuffle_of_part_of_a_warp_is_reported():
         _layer_norm(src, X)
 
 
-OFF_BY_ONE = ("const long long off = (long long)blockIdx.x * D;\n    x += off; y += off;",
-              "const long long off = (long long)blockIdx.x * D + 1;\n    x += off; y += off;")
+OFF_BY_ONE = ("const long long off = (long long)blockIdx.x * D;\n    const Loaded<T> row",
+              "const long long off = (long long)blockIdx.x * D + 1;\n    const Loaded<T> row")
 
 
 def test_off_by_one_row_offset_gives_wrong_rows():

@@ -131,11 +131,11 @@ template <typename T>
 __global__ void layer_norm_forward(const T* x, const typename Acc<T>::type* gamma,
                                    const typename Acc<T>::type* beta, T* y, T* x_hat,
                                    typename Acc<T>::type* rstd, int D, double eps) {
-    __shared__ typename Acc<T>::type shared[32];
+    typedef typename Acc<T>::type A;
+    __shared__ A shared[32];
     const long long off = (long long)blockIdx.x * D;
     const Loaded<T> row = {x + off};
-    const typename Acc<T>::type r = normalize_row<T>(row, gamma, beta, y + off, x_hat + off, D,
-                                                     eps, shared);
+    const A r = normalize_row<T>(row, gamma, beta, y + off, x_hat + off, D, eps, shared);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
 }
 
@@ -147,7 +147,8 @@ __global__ void bias_residual_layer_norm(const T* f, const typename Acc<T>::type
                                          const typename Acc<T>::type* gamma,
                                          const typename Acc<T>::type* beta, T* y, int D,
                                          double eps) {
-    __shared__ typename Acc<T>::type shared[32];
+    typedef typename Acc<T>::type A;
+    __shared__ A shared[32];
     const long long off = (long long)blockIdx.x * D;
     const ResidualSum<T> row = {f + off, b, x + off};
     normalize_row<T>(row, gamma, beta, y + off, (T*)0, D, eps, shared);
