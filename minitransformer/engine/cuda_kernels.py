@@ -317,14 +317,14 @@ def top_m_log_softmax(z, m, skip=()):
 
 
 # ---- a decoding step's attention ---------------------------------------------------------------
-DECODE_STEP_KERNELS = True  # False: a decoding step without decode_attention and
-# bias_residual_layer_norm, as before them (bench/decode_kernels_ab.py times both ways)
+DECODE_STEP_KERNELS = True  # False: a decoding step without decode_attention,
+# bias_residual_layer_norm and bias_relu_, as before them (bench/decode_kernels_ab.py)
 
 
 def step_kernels(xp):
-    """Whether a decoding step on arrays of module ``xp`` runs decode_attention and
-    bias_residual_layer_norm: on the fused path (``use_for``) unless DECODE_STEP_KERNELS is
-    off."""
+    """Whether a decoding step on arrays of module ``xp`` runs decode_attention,
+    bias_residual_layer_norm and bias_relu_: on the fused path (``use_for``) unless
+    DECODE_STEP_KERNELS is off."""
     return use_for(xp) and DECODE_STEP_KERNELS
 
 
@@ -391,7 +391,7 @@ def decode_attention(q, keys, values, n, group=1, bias=None, k_new=None, v_new=N
                     or k_new.strides != q.strides or v_new.strides != q.strides or group != 1):
         raise ValueError("decode_attention: k_new and v_new come together, shaped and strided "
                          "as q, with group 1")
-    acc = np.float64 if q.dtype == np.float64 else np.float32
+    acc = backend.accumulation_dtype(q.dtype)
     proj = [q_bias] + ([k_bias, v_bias] if has_new else [])
     has_proj_bias = q_bias is not None
     if any((b is None) == has_proj_bias for b in proj) or (not has_new and (

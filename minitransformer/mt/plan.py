@@ -58,6 +58,7 @@ short) needs N, and N depends on the machine. The run measures it instead of ask
   lr(u) is exact after a resume, and later plans continue from the run's own elapsed time.
 """
 import math
+import statistics
 
 from ..optim import noam_lr
 
@@ -237,18 +238,25 @@ class DeadlinePlan:
         average over about RATE_MEMORY updates, lags behind a machine that slows late)."""
         if not self._tail(update) or len(self.recent) < RECENT:
             return self.rate
-        ordered = sorted(self.recent)
-        median = (ordered[(RECENT - 1) // 2] + ordered[RECENT // 2]) / 2
+        median = statistics.median(self.recent)
         return median if median >= SLOWER * self.rate else self.rate
+
+    def _costs(self):
+        """(valid_s, save_s, valid_every, save_every): what plan_updates and
+        remaining_seconds take besides the updates and the rate."""
+        return self.valid_s or 0.0, self.save_s or 0.0, self.valid_every, self.save_every
+
+    def _fits(self, update, elapsed, rate):
+        """plan_updates for this plan's budget, costs and cap at ``rate``."""
+        return plan_updates(update, elapsed, self.budget, rate, *self._costs(), self.cap,
+                            self.average_last)
 
     def behind(self, update, elapsed):
         """In the plan's tail: whether the updates left (and the validations and checkpoints
         due) no longer fit in the time left at the recent rate (``_planning_rate``)."""
         rate = self._planning_rate(update)
         return (self._tail(update) and rate > self.rate and update < self.total and
-                plan_updates(update, elapsed, self.budget, rate, self.valid_s or 0.0,
-                             self.save_s or 0.0, self.valid_every, self.save_every, self.cap,
-                             self.average_last) < self.total)
+                self._fits(update, elapsed, rate) < self.total)
 
     def _measure(self, update, seconds, after):
         base = self.rate if self.rate is not None else (
@@ -270,12 +278,11 @@ class DeadlinePlan:
     def _plan(self, update, elapsed, behind=False):
         first, old = self.next_check is None, self.total
         rate = self._planning_rate(update)
-        costs = (self.valid_s or 0.0, self.save_s or 0.0, self.valid_every, self.save_every)
-        n = plan_updates(update, elapsed, self.budget, rate, *costs, self.cap,
-                         self.average_last)
+        n = self._fits(update, elapsed, rate)
         last = max(rate, self.recent[-1]) if self.recent else rate  # (the last update's)
         if not first and n == update < old and remaining_seconds(
-                update, update + 1, last, *costs, self.average_last) <= self.budget - elapsed:
+                update, update + 1, last, *self._costs(), self.average_last) \
+                <= self.budget - elapsed:
             # nothing more fits with the reserve kept, and the update just made had a rate
             # above 0: one more, at rate 0, in the reserve (which is there for the last
             # updates), when it fits at the rate of the last one too (a slowdown the median

@@ -32,7 +32,7 @@ from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
 from .log import Log, StopSignals
 from .options import (PROFILE_WARMUP, check_options, fill_defaults, parse_args, plans_to_deadline,
                       restore_for_resume, run_options, schedule_warnings, sizes_itself)
-from .plan import WARMUP_SHARE, DeadlinePlan
+from .plan import WARMUP_SHARE, DeadlinePlan, piece_lr
 from .rundir import RunDir, RunDirBusy
 from .step import train_step
 from .translation import corpus_bleu, translate_lines
@@ -289,9 +289,9 @@ class Trainer(CorpusSetUp):
         """The linear schedule's rate at ``update`` for --max-updates ``total``: warm-up,
         then a straight line to 0 at ``total`` (from ``linear_from`` when it is set)."""
         a = self.args
-        if self.linear_from is not None and update > self.linear_from[0]:
-            u0, r0 = self.linear_from
-            return r0 * max(total - update, 0) / max(total - u0, 1)
+        if self.linear_from is not None and update > self.linear_from[0]:  # (a plan's piece)
+            return piece_lr(update, [list(self.linear_from) + [total]], self.cfg.d_model,
+                            a.warmup, a.lr_factor)
         return linear_decay_lr(update, self.cfg.d_model, a.warmup, total, a.lr_factor)
 
     def _plan_from_here(self, bend=None):
