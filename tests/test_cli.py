@@ -415,6 +415,41 @@ def test_a_linear_run_given_more_updates_on_resume_goes_on_from_its_rate(tmp_pat
         run_train("--run-dir", run, *opts, "--max-updates", "300", "--resume")
 
 
+def test_a_new_lr_factor_or_warmup_on_resume_says_how_the_rate_moves(tmp_path, capsys):
+    """--lr-factor or --warmup given anew on --resume of a run without a plan changes its
+    schedule (a deliberate change: applied, and saved for the next --resume); the set-up says
+    what the next update's rate becomes against the run's own, and the rates logged follow
+    the new values."""
+    from minitransformer.optim import noam_lr
+    run = str(tmp_path / "run")
+    assert run_train("--run-dir", run, "--max-updates", "20", "--valid-every", "1000",
+                     "--log-every", "1") == 0
+    capsys.readouterr()
+    assert run_train("--run-dir", run, "--resume", "--max-updates", "30",
+                     "--lr-factor", "0.5") == 0
+    old, new = noam_lr(21, 32, 50, 1.0), noam_lr(21, 32, 50, 0.5)
+    assert (f"note: --lr-factor 0.5 on --resume: the learning rate of update 21 is {new:.3g}, "
+            f"0.5x the {old:.3g} of the run's schedule") in capsys.readouterr().out
+    assert _rates(run)[25] == noam_lr(25, 32, 50, 0.5)
+    # (SMALL's --warmup 50: the run is still warming up) a shorter warm-up moves the rate;
+    # one changed again once the run is past both leaves noam's rate where it was
+    assert run_train("--run-dir", run, "--resume", "--max-updates", "35", "--warmup",
+                     "20") == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: --warmup")]
+    assert line == [f"note: --warmup 20 on --resume: the learning rate of update 31 is "
+                    f"{noam_lr(31, 32, 20, 0.5):.3g}, "
+                    f"{noam_lr(31, 32, 20, 0.5) / noam_lr(31, 32, 50, 0.5):.3g}x the "
+                    f"{noam_lr(31, 32, 50, 0.5):.3g} of the run's schedule"]
+    assert _rates(run)[35] == noam_lr(35, 32, 20, 0.5)
+    assert run_train("--run-dir", run, "--resume", "--max-updates", "40", "--warmup",
+                     "30") == 0
+    assert "note: --warmup 30 on --resume: the learning rate of update 36 stays " \
+        f"{noam_lr(36, 32, 30, 0.5):.3g}" in capsys.readouterr().out
+    assert run_train("--run-dir", run, "--resume", "--max-updates", "45", "--warmup",
+                     "30") == 0
+    assert "note: --" not in capsys.readouterr().out  # (the values the run has: no change)
+
+
 def test_a_bent_linear_run_given_max_time_on_resume_keeps_its_line(tmp_path):
     """A linear run bent by a new --max-updates (linear_from), resumed again with --max-time:
     the plan starts from the bent line, not from the run's first line to its cap (the rate

@@ -86,6 +86,33 @@ class Resuming:
                             a.warmup, a.lr_factor)
         return linear_decay_lr(update, self.cfg.d_model, a.warmup, total, a.lr_factor)
 
+    def _rate_change(self):
+        """A line saying how the rate moves when --warmup or --lr-factor, given anew on
+        --resume of a run without a plan (a planned run refuses them: ``_resume_plan``),
+        changes the schedule: its next update's rate under the run's values and under the
+        new ones; None when neither changed it."""
+        a, saved = self.args, self._saved["train"]
+        if self.plan is not None:
+            return None
+        changed = [n for n in ("warmup", "lr_factor")
+                   if n in a.explicit and saved.get(n, getattr(a, n)) != getattr(a, n)]
+        if not changed:
+            return None
+        u, given = self.update + 1, {n: getattr(a, n) for n in changed}
+        new = self.lr_at(u)
+        try:
+            for n in changed:
+                setattr(a, n, saved[n])
+            old = self.lr_at(u)
+        finally:
+            for n, value in given.items():
+                setattr(a, n, value)
+        flags = " and ".join(f"--{n.replace('_', '-')} {given[n]:g}" for n in changed)
+        if new == old:
+            return f"note: {flags} on --resume: the learning rate of update {u} stays {new:.3g}"
+        return (f"note: {flags} on --resume: the learning rate of update {u} is {new:.3g}, "
+                f"{new / old:.3g}x the {old:.3g} of the run's schedule")
+
     def _plan_from_here(self, bend=None):
         """A linear run without a plan in its checkpoint (no --max-time until now): its own
         schedule (linear_decay_lr to its saved --max-updates, bent at ``bend`` if a changed

@@ -115,6 +115,9 @@ class Trainer(CorpusSetUp, Resuming):
             if changed:
                 self._log_early(f"{', '.join(changed)} as given here: saved in config.json "
                                 "with the next checkpoint, for the next --resume")
+            note = self._rate_change()
+            if note:
+                self._log_early(note)
 
     def _open_run_dir(self):
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
