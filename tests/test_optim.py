@@ -132,6 +132,30 @@ def test_flat_adam_backward_lands_in_the_buffer_and_replaced_arrays_fall_back():
         assert np.array_equal(a.data, b.data)
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_gradient_computed_before_the_optimizer_is_made_is_stepped(flat):
+    """backward, then Adam(...), then step (the README's engine example): the flat buffers
+    take the gradients the parameters already have (they were zeroed: no step at all)."""
+    init, grads = _flat_case(2)
+    params = [Tensor(a.copy(), requires_grad=True) for a in init]
+    (params[0] * Tensor(grads[0][0])).sum().backward()
+    (params[2] * Tensor(grads[0][2])).sum().backward()
+    opt = Adam(params, lr=0.1, flat=flat)
+    assert np.array_equal(params[0].grad, grads[0][0])
+    opt.step()
+    expect = init[0] - np.float32(0.1) * np.sign(grads[0][0])  # Adam's first step: lr * sign
+    assert np.allclose(params[0].data, expect, rtol=1e-5)
+    assert np.allclose(params[2].data, init[2] - np.float32(0.1) * np.sign(grads[0][2]),
+                       rtol=1e-5)
+    assert np.array_equal(params[1].data, init[1])  # no gradient: not moved
+
+
+def test_a_parameter_given_twice_is_refused():
+    p = Tensor(np.zeros(2), requires_grad=True)
+    with pytest.raises(ValueError, match="parameter 2 is parameter 0 again"):
+        Adam([p, Tensor(np.ones(2), requires_grad=True), p])
+
+
 def test_flat_grad_is_the_buffer_only_while_every_gradient_is_a_view_of_it():
     init, grads = _flat_case(3)
     params = [Tensor(a.copy(), requires_grad=True) for a in init]

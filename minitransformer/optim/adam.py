@@ -124,6 +124,12 @@ class Adam:
                  betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-9,
                  weight_decay: float = 0.0, flat: Optional[bool] = None) -> None:
         self.params = list(params)
+        seen = {}
+        for i, p in enumerate(self.params):
+            if id(p) in seen:  # (it would be stepped twice per step)
+                raise ValueError(f"Adam: parameter {i} is parameter {seen[id(p)]} again; pass "
+                                 "each parameter once (a tied weight is one parameter)")
+            seen[id(p)] = i
         self.lr, self.beta1, self.beta2, self.eps = lr, betas[0], betas[1], eps
         self.weight_decay = weight_decay
         self.t = 0
@@ -141,7 +147,8 @@ class Adam:
 
     def _pack(self):
         """Copy the parameters into one buffer and make each ``p.data`` a view of it;
-        likewise zeroed buffers for the gradients, m and v."""
+        likewise for the gradients (a gradient computed before the optimizer was made is
+        kept, for the first ``step``), and zeroed buffers for m and v."""
         xp, dtype = self.params[0].xp, self.params[0].dtype
         n = sum(p.size for p in self.params)
         data, grad, m, v = xp.empty(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype), \
@@ -152,13 +159,16 @@ class Adam:
             part = slice(offset, offset + p.size)
             offset += p.size
             data[part] = p.data.ravel()
+            if p.grad is not None:
+                grad[part] = p.grad.ravel()
             p.data = data[part].reshape(p.shape)
             self._data.append(p.data)
             self._grad.append(grad[part].reshape(p.shape))
             self.m.append(m[part].reshape(p.shape))
             self.v.append(v[part].reshape(p.shape))
         self.flat = (data, grad, m, v)
-        self.zero_grad()
+        for p, g in zip(self.params, self._grad):
+            p.grad = g
 
     def zero_grad(self) -> None:
         if self.flat is None:
