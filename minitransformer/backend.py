@@ -70,6 +70,15 @@ def accumulation_dtype(dtype):
     return np.dtype(np.float32) if dtype == np.float16 else dtype
 
 
+def sum_in_accumulation_dtype(x, axis=None, keepdims=False):
+    """``x.sum(axis, keepdims)`` added up in ``accumulation_dtype`` (float32 for float16)
+    and returned in x's dtype: the same call as x.sum for float32 and float64."""
+    acc = accumulation_dtype(x.dtype) if x.dtype.kind == "f" else x.dtype
+    if acc == x.dtype:
+        return x.sum(axis=axis, keepdims=keepdims)
+    return x.sum(axis=axis, keepdims=keepdims, dtype=acc).astype(x.dtype)
+
+
 def cast(x, dtype):
     """``x`` in ``dtype``, the same array when it already is. The one widen / narrow of the
     ops: float16 arrays are widened to ``accumulation_dtype`` for sums, exponentials and

@@ -148,6 +148,23 @@ def test_broadcast_gradient_is_summed_back(xp, arrays, assert_close, sa, sb):
     assert_close(b.grad, exp_b, 1e-13, 1e-14, "db")
 
 
+def test_float16_sums_add_up_in_float32(xp):
+    """A float16 Sum along an axis, and the engine's sum of a broadcast gradient (a bias's),
+    add up in float32 and round once: in float16 a running sum of 0.05s stops at 128 (and
+    the bias gradient of 20000 rows came out 2048)."""
+    x = xp.full((20000, 4), 0.05, xp.float16)
+    y = Tensor(x).sum(axis=0)
+    assert y.dtype == np.float16
+    assert np.allclose(mt.backend.to_numpy(y.data), 20000 * 0.05, rtol=1e-3)
+    b = Tensor(xp.zeros(4, xp.float16), requires_grad=True)
+    (Tensor(x) + b).backward(xp.ones((20000, 4), xp.float16))
+    assert b.grad.dtype == np.float16
+    assert (mt.backend.to_numpy(b.grad) == 20000).all()
+    v = Tensor(xp.full(3, 0.5, xp.float16), requires_grad=True)  # matrix @ vector: dv
+    (Tensor(xp.full((20000, 3), 0.05, xp.float16)) @ v).backward(xp.ones(20000, xp.float16))
+    assert np.allclose(mt.backend.to_numpy(v.grad), 1000, rtol=1e-3)
+
+
 # ---- backward's contract and its errors ---------------------------------------------------------
 def test_backward_on_non_scalar_needs_a_seed(xp, arrays):
     y = leaf(arrays, 2, 3) * 2.0

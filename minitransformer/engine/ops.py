@@ -140,12 +140,14 @@ class ReLU(Function):
 
 # ---- reductions and shape -----------------------------------------------------------------
 class Sum(Function):
-    """y = sum(x, axis);  dx = dy broadcast back over the summed axes."""
+    """y = sum(x, axis);  dx = dy broadcast back over the summed axes. A float16 x is
+    summed in float32 (``backend.accumulation_dtype``: float16 stops adding 0.05s at 128)
+    and y rounded back to float16."""
     options = {"axis": None, "keepdims": False}
 
     def forward(self, x):
         self.shape = x.shape
-        return x.sum(axis=self.axis, keepdims=self.keepdims)
+        return backend.sum_in_accumulation_dtype(x, axis=self.axis, keepdims=self.keepdims)
 
     def backward(self, dy):
         xp = _xp(dy)
@@ -244,7 +246,9 @@ class MatMul(Function):
     def backward(self, dy):
         a, b = self.a, self.b
         if b.ndim == 1:  # matrix @ vector
-            return dy[..., None] * b, (a * dy[..., None]).reshape(-1, b.shape[0]).sum(0)
+            db = backend.sum_in_accumulation_dtype((a * dy[..., None]).reshape(-1, b.shape[0]),
+                                                   axis=0)
+            return dy[..., None] * b, db
         if a.ndim == 1:
             return (b @ dy[..., None])[..., 0], a[:, None] * dy[..., None, :]
         return dy @ b.swapaxes(-1, -2), a.swapaxes(-1, -2) @ dy

@@ -252,7 +252,8 @@ def _backward_through(node, g_out, grads):
 
 
 def unbroadcast(g, shape, op="Function"):
-    """Sum ``g`` over the axes that broadcasting added or stretched, to get ``shape``.
+    """Sum ``g`` over the axes that broadcasting added or stretched, to get ``shape`` (a
+    float16 ``g`` added up in float32: ``backend.sum_in_accumulation_dtype``).
 
     A ``g`` that ``shape`` does not broadcast to is a wrong gradient from ``op``: an error,
     not a silent reshape (a transposed gradient has the right size).
@@ -265,7 +266,7 @@ def unbroadcast(g, shape, op="Function"):
                            f"of shape {tuple(shape)}")
     axes = tuple(range(extra)) + tuple(i + extra for i, n in enumerate(shape)
                                        if n == 1 and g.shape[i + extra] != 1)
-    g = g.sum(axis=axes, keepdims=True) if axes else g
+    g = backend.sum_in_accumulation_dtype(g, axis=axes, keepdims=True) if axes else g
     return g.reshape(shape)
 
 
