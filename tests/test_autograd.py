@@ -165,6 +165,124 @@ def test_float16_sums_add_up_in_float32(xp):
     assert np.allclose(mt.backend.to_numpy(v.grad), 1000, rtol=1e-3)
 
 
+def test_numbers_with_integer_or_bool_tensors_promote_and_floats_keep_their_dtype():
+    """A Python float with an integer or bool tensor promotes as NumPy does (it was cast to
+    the integers: 0.5 * [1, 2, 3] gave [0, 0, 0]); with a float tensor it keeps the tensor's
+    dtype (a weak number), also through a user Function's apply."""
+    ints = Tensor(np.array([1, 2, 3]))
+    assert (ints * 0.5).data.tolist() == [0.5, 1.0, 1.5]
+    assert (ints + 0.5).data.tolist() == [1.5, 2.5, 3.5]
+    assert (0.5 * ints).data.tolist() == [0.5, 1.0, 1.5]
+    assert (ints + np.array([0.7, 0.7, 0.7])).data.tolist() == [1.7, 2.7, 3.7]
+    assert (Tensor(np.array([True, False])) * 0.5).data.tolist() == [0.5, 0.0]
+    assert (ints * 2).data.dtype == ints.dtype and (ints * 2).data.tolist() == [2, 4, 6]
+    x = Tensor(np.ones(3, np.float32), requires_grad=True)
+    assert (x * 0.5).dtype == np.float32 and (x + np.float64(0.5) * 1).dtype == np.float32
+
+    class AddF(Function):
+        def forward(self, a, b):
+            return a + b
+
+        def backward(self, dy):
+            return dy, None
+
+    assert AddF.apply(x, 1.0).dtype == np.float32
+
+
+def test_a_gradient_has_its_leafs_dtype():
+    x = Tensor(np.ones(3, np.float32), requires_grad=True)
+    (x * Tensor(np.full(3, 2.0))).sum().backward()  # float64 values reach a float32 leaf
+    assert x.grad.dtype == np.float32 and x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_integer_data_cannot_require_grad():
+    with pytest.raises(TypeError, match="requires_grad=True needs floating-point data, not "
+                                        "int64"):
+        Tensor(np.array([1, 2, 3]), requires_grad=True)
+
+
+def test_a_tensor_exponent_that_requires_grad_is_refused():
+    x = Tensor(np.array([1.5, 2.0]), requires_grad=True)
+    with pytest.raises(TypeError, match="exponent t is a Tensor that requires grad"):
+        x ** Tensor(np.array(2.0), requires_grad=True)
+    (x ** Tensor(np.array(2.0))).sum().backward()  # a constant Tensor exponent: its value
+    assert x.grad.tolist() == [3.0, 4.0]
+
+
+def test_a_functions_contract_is_checked():
+    """backward must return one gradient per input of forward (a forgotten one was silently
+    dropped); a list is taken as a tuple; forward returns one array (a tuple was stacked
+    into one Tensor); a None input reaches forward as None."""
+    class Forgot(Function):
+        def forward(self, a, b):
+            self.b = b
+            return a * b
+
+        def backward(self, dy):
+            return dy * self.b
+
+    a, b = Tensor(np.ones(3), requires_grad=True), Tensor(np.ones(3), requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"Forgot.backward returned 1 gradient for the 2 "
+                                           r"inputs of Forgot.forward"):
+        Forgot.apply(a, b).sum().backward()
+
+    class AsList(Function):
+        def forward(self, a, b):
+            self.a, self.b = a, b
+            return a * b
+
+        def backward(self, dy):
+            return [dy * self.b, dy * self.a]
+
+    a, b = Tensor(np.array([2.0]), requires_grad=True), Tensor(np.array([3.0]), requires_grad=True)
+    AsList.apply(a, b).sum().backward()
+    assert (a.grad.tolist(), b.grad.tolist()) == ([3.0], [2.0])
+
+    class Two(Function):
+        def forward(self, a):
+            return a * 2, a * 3
+
+    with pytest.raises(TypeError, match="Two.forward returned a tuple; a Function has one "
+                                        "output"):
+        Two.apply(Tensor(np.ones(3), requires_grad=True))
+    with pytest.raises(TypeError, match="Two.forward returned a tuple"), no_grad():
+        Two.apply(Tensor(np.ones(3)))
+
+    class MaybeBias(Function):
+        def forward(self, x, b):
+            self.none = b is None
+            return x if b is None else x + b
+
+        def backward(self, dy):
+            return dy, None
+
+    x = Tensor(np.ones(2), requires_grad=True)
+    MaybeBias.apply(x, None).sum().backward()
+    assert x.grad.tolist() == [1.0, 1.0]
+
+
+def test_indexing_comparisons_and_an_array_on_the_left_of_matmul(xp, arrays, assert_close):
+    """x[...] is an op with a gradient (repeated places add up); <, <=, >, >= give constant
+    bool Tensors; array @ Tensor is a Tensor (it raised TypeError); == compares objects."""
+    x, w = leaf(arrays, 4, 3), arrays.randn(3, 2)
+    rows = xp.asarray(np.array([0, 2, 0]))
+    (x[rows, 1:] * Tensor(w)).sum().backward()
+    expect, w = np.zeros((4, 3)), arrays.numpy(w)
+    for r, i in enumerate([0, 2, 0]):
+        expect[i, 1:] += w[r]
+    assert_close(x.grad, expect, 1e-15, 0, "x[rows, 1:]")
+    assert_close(x[-1], arrays.numpy(x.data)[-1], 0, 0, "x[-1]")
+    m = x > 0
+    assert not m.requires_grad and m.dtype == bool
+    assert (arrays.numpy(m.data) == (arrays.numpy(x.data) > 0)).all()
+    assert (arrays.numpy((x <= x).data)).all() and not (arrays.numpy((x < x).data)).any()
+    a = arrays.randn(2, 4)
+    y = a @ x
+    assert isinstance(y, Tensor) and y.requires_grad
+    assert_close(y, arrays.numpy(a) @ arrays.numpy(x.data), 1e-14, 0, "a @ x")
+    assert (x == x) is True and (x == 1.0) is False  # (identity: x.data == 1.0 for values)
+
+
 # ---- backward's contract and its errors ---------------------------------------------------------
 def test_backward_on_non_scalar_needs_a_seed(xp, arrays):
     y = leaf(arrays, 2, 3) * 2.0

@@ -304,6 +304,14 @@ CASES = [
     Case("dropout", ops.Dropout, _r(4, 6), lambda x: F.dropout(x, 0.4, _gen(x), training=True)),
     Case("dropout_residual", DropoutResidual, _rr((4, 6), (4, 6)),
          lambda x, f: F.dropout_residual(x, f, 0.4, _gen(x), training=True)),
+    # indexing: a view (each place once), and integer arrays with a repeat (summed back)
+    Case("index_slices", ops.Index, _r(3, 4, 2), lambda x: x[1:, None, ::2, -1],
+         lambda x: x[1:, None, ::2, -1].copy()),
+    Case("index_repeats", ops.Index, _r(4, 3),
+         lambda x: x[np.array([[0, 2], [0, 3]]), 1:],
+         lambda x: x[np.array([[0, 2], [0, 3]]), 1:].copy()),
+    Case("index_mask", ops.Index, _r(2, 3), lambda x: x[np.array([True, False])],
+         lambda x: x[np.array([True, False])].copy()),
     # no padding id among the ids here: the padding row's gradient is deliberately 0, not
     # the true derivative (test_autograd checks that row); repeated ids must accumulate
     Case("embedding", ops.Embedding,

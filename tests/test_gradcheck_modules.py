@@ -178,3 +178,34 @@ def test_a_closure_over_a_float32_model_is_told_to_pass_the_module():
         gradcheck(lambda s: model(s, tin), [src], params=list(model.named_parameters()),
                   n_directions=1, full_max=0)
     assert all(p.dtype == np.float32 for p in model.parameters())  # restored
+
+
+def test_modules_and_parameters_in_lists_and_dicts_are_found():
+    """A Module's parameters and submodules may sit in a list, tuple or dict attribute: they
+    are its parameters (named by index or key), eval() reaches them, and gradcheck checks
+    them (they were skipped: a dict's Dropout stayed in training mode, its Linear's
+    gradients unchecked)."""
+    rng = np.random.default_rng(0)
+
+    class Heads(mt.nn.Module):
+        def __init__(self):
+            self.ws = [mt.nn.parameter(rng.normal(0, 0.5, (4, 4))) for _ in range(2)]
+            self.by_name = {"proj": mt.nn.Linear(4, 3, rng=rng, dtype=np.float64),
+                            "drop": mt.nn.Dropout(0.5, mt.Generator(0))}
+            self.activations = []  # (not parameters: results of forward)
+
+        def forward(self, x):
+            h = (x @ self.ws[0]).relu() @ self.ws[1]
+            self.activations.append(h)
+            return self.by_name["proj"](self.by_name["drop"](h))
+
+    m = Heads()
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["ws.0", "ws.1", "by_name.proj.weight", "by_name.proj.bias"]
+    assert [n for n, _ in m.named_modules()] == ["", "by_name.proj", "by_name.drop"]
+    m.eval()
+    assert not m.by_name["drop"].training
+    m(Tensor(rng.normal(size=(2, 4))))
+    assert len(m.parameters()) == 4  # the activation kept in a list is not one
+    report = gradcheck(m, [rng.normal(size=(2, 4))], raise_on_failure=False)
+    assert set(report) == {"input[0]", *names} and all(r["ok"] for r in report.values())

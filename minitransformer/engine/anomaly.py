@@ -68,7 +68,7 @@ def _raise(fn, phase, given, what):
     where = f" (in {module})" if module else ""
     shapes = [tuple(a.shape) for a in given if hasattr(a, "shape")]
     if all(_finite(a) for a in given):
-        origin = f"{name} {phase} made {what} from finite values"
+        origin = f"{name} {phase} made a NaN or Inf {what} from finite values"
     else:
         origin = (f"{name} {phase} was given non-finite values (from outside the tape: a "
                   f"parameter or the data), and its {what} is not finite")
@@ -79,10 +79,10 @@ def _raise(fn, phase, given, what):
 def check_forward(fn, inputs, output):
     """After ``fn.forward(*inputs)`` returned ``output`` (raw arrays)."""
     if not _finite(output):
-        _raise(fn, "forward", inputs, "a NaN or Inf output")
+        _raise(fn, "forward", inputs, "output")
 
 
 def check_backward(fn, grad_out, grads_in):
     """After ``fn.backward(grad_out)`` returned ``grads_in`` (raw arrays or None)."""
     if not all(_finite(g) for g in grads_in):
-        _raise(fn, "backward", [grad_out], "a NaN or Inf input gradient")
+        _raise(fn, "backward", [grad_out], "input gradient")

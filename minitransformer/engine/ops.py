@@ -16,7 +16,8 @@ def _xp(*arrays):
 
 
 def _pair(a, b):
-    """Two tensors, a Python number taking the other's dtype and device (no promotion)."""
+    """Two tensors, a Python number taking the other's dtype and device (no promotion of a
+    float tensor; an integer or bool one is promoted as NumPy promotes: ``as_tensor``)."""
     if not isinstance(a, Tensor):
         a = as_tensor(a, like=b)
     if not isinstance(b, Tensor):
@@ -337,13 +338,40 @@ class Embedding(Function):
         return None, dw
 
 
+class Index(Function):
+    """y = x[index] (NumPy's indexing: integers, slices, None, ..., integer or bool arrays);
+    dx = zeros with dy added at the indexed places (repeated places summed)."""
+    options = {"index": None}
+
+    def forward(self, x):
+        self.shape = x.shape
+        return x[self.index]
+
+    def backward(self, dy):
+        xp = _xp(dy)
+        dx = xp.zeros(self.shape, dtype=dy.dtype)
+        parts = self.index if isinstance(self.index, tuple) else (self.index,)
+        if all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts):
+            dx[self.index] = dy  # (a view: each place once)
+        else:
+            backend.scatter_add(dx, self.index, dy)
+        return dx
+
+
 # ---- functional API: what models call -----------------------------------------------------
 def add(a, b): return Add.apply(*_pair(a, b))
 def sub(a, b): return Sub.apply(*_pair(a, b))
 def mul(a, b): return Mul.apply(*_pair(a, b))
 def div(a, b): return Div.apply(*_pair(a, b))
 def neg(x): return Neg.apply(x)
-def power(x, exponent): return Power.apply(x, exponent=exponent)
+def power(x, exponent):
+    if isinstance(exponent, Tensor):
+        if exponent.requires_grad:  # (Power differentiates x only: no gradient would reach it)
+            raise TypeError("x ** t: the exponent t is a Tensor that requires grad, but Power "
+                            "takes a constant exponent (its gradient would be lost); for a "
+                            "gradient in t write (t * x.log()).exp()")
+        exponent = exponent.item()
+    return Power.apply(x, exponent=exponent)
 def exp(x): return Exp.apply(x)
 def log(x): return Log.apply(x)
 def relu(x): return ReLU.apply(x)
@@ -354,6 +382,18 @@ def transpose(x, axes=None): return Transpose.apply(x, axes=None if axes is None
 def split_heads(x, n_heads): return SplitHeads.apply(x, n_heads=n_heads)
 def merge_heads(x, n_heads): return MergeHeads.apply(x, n_heads=n_heads)
 def matmul(a, b): return MatMul.apply(*_pair(a, b))
+
+
+def index(x, idx):
+    """x[idx] with its gradient; Tensors in idx are taken as their arrays."""
+    xp = x.xp if isinstance(x, Tensor) else _xp(x)
+
+    def own(i):  # (index arrays on x's device: CuPy's scatter-add takes its own arrays)
+        i = i.data if isinstance(i, Tensor) else i
+        return xp.asarray(i) if isinstance(i, (list, np.ndarray)) and xp is not np else i
+
+    idx = tuple(own(i) for i in idx) if isinstance(idx, tuple) else own(idx)
+    return Index.apply(x, index=idx)
 
 
 def cast(x, dtype):

@@ -226,13 +226,14 @@ class Profiler:
         tensor._profiler, self._outer, self._active = self._outer, None, False
 
     # ---- called by the engine (tensor.py) while active --------------------------------
-    def forward(self, fn: tensor.Function, tensors: tuple) -> Any:
-        """``fn.forward`` on the arrays of ``tensors``, timed and counted -> its output."""
-        arrays = [t.data for t in tensors]
+    def forward(self, fn: tensor.Function, arrays: list) -> Any:
+        """``fn.forward(*arrays)`` (its inputs as forward takes them: arrays, or a Python
+        number or None), timed and counted -> its output."""
         seconds, out = self._timed(fn.forward, arrays)
-        c = cost(fn, tuple(a.shape for a in arrays), getattr(out, "shape", ()))
+        c = cost(fn, tuple(getattr(a, "shape", ()) for a in arrays), getattr(out, "shape", ()))
         if self._device is None and c.forward_products:
-            self._device = (backend.get_array_module(*arrays), arrays[0].dtype)
+            self._device = (backend.get_array_module(*arrays),
+                            next(a.dtype for a in arrays if hasattr(a, "dtype")))
         nbytes = sum(_nbytes(a) for a in arrays) + _nbytes(out)
         self._record(fn, OpStats(1, seconds, 0.0, c.forward_products + c.forward_other,
                                  c.forward_products, nbytes))

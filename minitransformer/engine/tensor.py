@@ -75,6 +75,10 @@ class Tensor:
         else:
             xp = backend.get_array_module(data)
             data = xp.asarray(data, dtype=dtype)
+        if requires_grad and data.dtype.kind not in "fc":
+            raise TypeError(f"requires_grad=True needs floating-point data, not {data.dtype}: "
+                            "integer and bool values have no gradient (cast them first, e.g. "
+                            "x.astype(np.float32), or leave requires_grad off for ids)")
         self.data = data
         self.grad = None
         self.requires_grad = bool(requires_grad)
@@ -154,6 +158,20 @@ class Tensor:
     def __truediv__(self, other): return _ops().div(self, other)
     def __rtruediv__(self, other): return _ops().div(other, self)
     def __neg__(self): return _ops().neg(self)
+    def __rmatmul__(self, other): return _ops().matmul(other, self)
+    def __getitem__(self, index): return _ops().index(self, index)
+
+    # comparisons give a constant bool Tensor (no gradient). ``==`` and ``!=`` are left to
+    # compare Tensors as objects (identity), as lists and dicts of parameters rely on; for
+    # values compare the arrays: ``x.data == 0``
+    def _compare(self, other, op):
+        other = other.data if isinstance(other, Tensor) else other
+        return Tensor.wrap(op(self.data, other))
+
+    def __lt__(self, other): return self._compare(other, lambda a, b: a < b)
+    def __le__(self, other): return self._compare(other, lambda a, b: a <= b)
+    def __gt__(self, other): return self._compare(other, lambda a, b: a > b)
+    def __ge__(self, other): return self._compare(other, lambda a, b: a >= b)
     def __matmul__(self, other): return _ops().matmul(self, other)
     def __pow__(self, exponent): return _ops().power(self, exponent)
 
@@ -183,9 +201,13 @@ def _ops():
 
 
 def _accumulate(t, g):
+    """Add ``g`` to leaf t's ``.grad``, in t's dtype (a float32 leaf that met float64 values
+    gets a float32 gradient, as its ``.grad`` is documented to be)."""
     if g.shape != t.shape:
         raise RuntimeError(f"internal error: gradient of shape {g.shape} for a tensor of "
                            f"shape {t.shape}")
+    if g.dtype != t.dtype:
+        g = g.astype(t.dtype)
     if t.grad is None:
         t.grad = g.copy()  # g may be shared with another input (e.g. both sides of an add)
     else:
@@ -235,8 +257,13 @@ def _backward_through(node, g_out, grads):
         g_in = node.backward(g_out)
     else:  # (profiler.profile: this backward timed, its FLOPs and bytes counted)
         g_in = _profiler.backward(node, g_out)
-    if not isinstance(g_in, tuple):
-        g_in = (g_in,)
+    g_in = tuple(g_in) if isinstance(g_in, (tuple, list)) else (g_in,)
+    if len(g_in) != len(node.inputs):
+        name = type(node).__name__
+        raise RuntimeError(f"{name}.backward returned {len(g_in)} gradient"
+                           f"{'s' if len(g_in) != 1 else ''} for the {len(node.inputs)} inputs "
+                           f"of {name}.forward: return one per input, in order (None for one "
+                           "without a gradient, such as integer ids)")
     if anomaly.enabled():
         anomaly.check_backward(node, g_out, g_in)
     node.release()
@@ -271,13 +298,39 @@ def unbroadcast(g, shape, op="Function"):
 
 
 def as_tensor(x, like=None):
-    """Wrap a Python number or array as a constant Tensor (on ``like``'s device and dtype)."""
+    """Wrap a Python number or array as a constant Tensor (on ``like``'s device, in its
+    dtype when ``like`` holds floats: 0.5 * a float32 tensor stays float32; with an integer
+    or bool ``like`` the dtype NumPy gives the two, so 0.5 * ints is not truncated to 0)."""
     if isinstance(x, Tensor):
         return x
     if like is not None:
-        xp = like.xp
-        return Tensor(xp.asarray(x, dtype=like.dtype))
+        xp, dtype = like.xp, like.dtype
+        if dtype.kind in "biu":
+            dtype = np.result_type(dtype, x if isinstance(x, (bool, int, float, complex))
+                                   else getattr(x, "dtype", None) or np.asarray(x).dtype)
+        return Tensor(xp.asarray(x, dtype=dtype))
     return Tensor(x)
+
+
+def _raw(x):
+    """An input of Function.apply as forward gets it: a Tensor's array, a Python number or
+    None as it is (NumPy then treats the number as weak: float32 + 1.0 stays float32), and
+    anything else (a list, an array) as an array."""
+    if isinstance(x, Tensor):
+        return x.data
+    if x is None or isinstance(x, (bool, int, float, complex)):
+        return x
+    return as_tensor(x).data
+
+
+def _one_output(fn, out):
+    """forward's result, refused when it is not one array (a tuple would become one Tensor
+    stacking its parts)."""
+    if isinstance(out, (tuple, list)):
+        raise TypeError(f"{type(fn).__name__}.forward returned a {type(out).__name__}; a "
+                        "Function has one output: return one array (or write one Function "
+                        "per output)")
+    return out
 
 
 class _Edge:
@@ -321,17 +374,18 @@ class Function:
             # inference (decoding under no_grad): no tape, nothing kept beyond this call
             # (a decoding step applies about 20 ops a layer, each on a few rows: this path
             # is kept short)
-            return Tensor.wrap(fn.forward(*[x.data if isinstance(x, Tensor) else
-                                            as_tensor(x).data for x in inputs]))
+            return Tensor.wrap(_one_output(fn, fn.forward(*[_raw(x) for x in inputs])))
         grad = _grad_mode.enabled
         tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
+        arrays = [_raw(x) for x in inputs]
         fn.module = scope.current_module()  # the module whose forward applies it, or None
         if _profiler is None:
-            out = fn.forward(*(t.data for t in tensors))
+            out = fn.forward(*arrays)
         else:  # (profiler.profile: this forward timed, its FLOPs and bytes counted)
-            out = _profiler.forward(fn, tensors)
+            out = _profiler.forward(fn, arrays)
+        out = _one_output(fn, out)
         if anomaly.enabled():  # (detect_anomaly: the first NaN or Inf names its op)
-            anomaly.check_forward(fn, [t.data for t in tensors], out)
+            anomaly.check_forward(fn, arrays, out)
         out = Tensor(out)
         if grad and any(t.requires_grad for t in tensors):
             # Parameters are kept (their .grad is where gradients land); every other input

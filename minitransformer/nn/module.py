@@ -9,9 +9,17 @@ from ..engine.layernorm import layer_norm, normalize
 from ..engine.tensor import Tensor, plain_inference
 
 
+def _contents(v):
+    """(key, item) of a list, tuple or dict attribute (one level), else nothing."""
+    if isinstance(v, dict):
+        return v.items()
+    return enumerate(v) if isinstance(v, (list, tuple)) else ()
+
+
 class Module:
     """Base class. Parameters are Tensor attributes with requires_grad=True; submodules are
-    Module attributes (or lists of Modules). Names are dotted paths ('encoder.layers.0.ff.w1').
+    Module attributes. Both may also sit in a list, tuple or dict attribute (its items named
+    by index or key). Names are dotted paths ('encoder.layers.0.ff.w1').
     """
     training = True
 
@@ -28,8 +36,8 @@ class Module:
         for name, v in vars(self).items():
             if isinstance(v, Module):
                 yield name, v
-            elif isinstance(v, (list, tuple)):
-                for i, m in enumerate(v):
+            else:
+                for i, m in _contents(v):
                     if isinstance(m, Module):
                         yield f"{name}.{i}", m
 
@@ -56,6 +64,9 @@ class Module:
         for name, v in vars(self).items():
             if isinstance(v, Tensor) and v.requires_grad:
                 yield prefix + name, v
+            for i, t in _contents(v):  # (leaves only: a list of activations holds no parameter)
+                if isinstance(t, Tensor) and t.requires_grad and t.node is None:
+                    yield f"{prefix}{name}.{i}", t
         for name, m in self.named_children():
             yield from m._named_parameters(f"{prefix}{name}.")
 
