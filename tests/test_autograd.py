@@ -444,6 +444,17 @@ def test_gradcheck_takes_zero_tolerances_as_given_and_refuses_what_cannot_work()
             check(**bad)
     with pytest.raises(ValueError, match="float64 .* or float32, not float16"):
         check(dtype=np.float16)
+    # an input no setting would check, and an fn that gives nothing to check
+    with pytest.raises(ValueError, match=r"input\[0\] has 80 elements, more than full_max=64, "
+                                         r"and n_directions=0: nothing would check it"):
+        gradcheck(lambda x: x * 2.0, [np.ones(80)], n_directions=0)
+    with pytest.raises(ValueError, match="fn's output does not depend on any float input or "
+                                         "parameter"):
+        gradcheck(lambda x: x.detach() * 2.0, [np.ones(3)])
+    with pytest.raises(ValueError, match="output does not depend"):
+        gradcheck(lambda ids: Tensor(np.ones(3)) * 2.0, [np.array([1, 2])])
+    with pytest.raises(TypeError, match="fn returned a ndarray, not a Tensor"):
+        gradcheck(lambda x: x.data * 2.0, [np.ones(3)])
 
 
 def test_gradcheck_leaves_the_callers_gradients_on_its_params():

@@ -255,6 +255,14 @@ def _check_all(evaluate, tensors, named, dtype, seed, h, rtol, atol, n_direction
     """One backward of L = sum(w * out), w a random upstream weight, then each float input's
     and each parameter's gradient compared with finite differences of L. -> (out, report)."""
     out = evaluate()
+    if not isinstance(out, Tensor):
+        raise TypeError(f"gradcheck: fn returned a {type(out).__name__}, not a Tensor: compute "
+                        "its result from the Tensors it is given (inputs arrive as Tensors), "
+                        "with the engine's ops or your Functions")
+    if not out.requires_grad:
+        raise ValueError("gradcheck: fn's output does not depend on any float input or "
+                         "parameter (it is a constant: fn detached it, ran under no_grad(), or "
+                         "was given integer inputs only); nothing to check")
     xp = out.xp
     rs = np.random.default_rng(seed)
     w = xp.asarray(rs.standard_normal(out.shape)).astype(dtype)  # structured upstream grad
@@ -268,6 +276,10 @@ def _check_all(evaluate, tensors, named, dtype, seed, h, rtol, atol, n_direction
                if _float(t.data)] + list(named)
     report = {}
     for name, t in checked:
+        if t.size > full_max and n_directions < 1:
+            raise ValueError(f"gradcheck: {name} has {t.size} elements, more than "
+                             f"full_max={full_max}, and n_directions={n_directions}: nothing "
+                             "would check it; raise full_max or n_directions")
         report[name] = _check_one(t, loss, xp, rs, h, rtol, atol, n_directions, full_max)
     return out, report
 
