@@ -103,6 +103,8 @@ def test_listing_without_a_root_names_classes_and_leaves():
 def test_leaf_and_released_graphs_are_described():
     text = ex.explain(Tensor(np.ones(3, np.float32)))
     assert "a leaf, nothing was recorded" in text and "nodes: 0" in text
+    text = ex.explain(Tensor(np.ones(3, np.float32), requires_grad=True))
+    assert "a leaf that requires grad (a parameter or an input): no op made it" in text
     net, out = small_graph()
     out.backward()
     text = ex.explain(out, root=net)
@@ -359,3 +361,16 @@ def test_the_readmes_explain_example_runs_and_prints_what_it_shows(capsys):
     printed = capsys.readouterr().out.splitlines()
     for line in shown.splitlines():
         assert line == "..." or line in printed, line
+
+
+def test_an_input_that_requires_grad_is_not_counted_as_a_parameter():
+    """A leaf input with requires_grad reaches the graph like a parameter; with a root the
+    totals tell them apart (it was counted among the parameters), without one they say
+    what the count holds."""
+    net, _ = small_graph()
+    x = Tensor(np.ones((4, 3), np.float32), requires_grad=True)
+    out = (net(x) * 2.0).sum()
+    assert ex.explain(out, root=net).endswith(
+        "parameters reached: 2 (8 elements); inputs that require grad: 1 (12 elements)\n")
+    assert ex.explain(out).endswith(
+        "leaves that require grad reached (parameters or inputs): 3 (20 elements)\n")

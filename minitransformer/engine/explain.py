@@ -239,6 +239,9 @@ def _gradients(tape: _Tape) -> list:
 
 def _headline(tape: _Tape) -> list:
     out = tape.output
+    if out.node is None and out.requires_grad:
+        return [f"output {_shape_text(out.shape, out.dtype)}: a leaf that requires grad (a "
+                "parameter or an input): no op made it, so nothing was recorded"]
     if out.node is None:
         return [f"output {_shape_text(out.shape, out.dtype)}: a leaf, nothing was recorded "
                 "(no input needed a gradient, or it was computed under no_grad())"]
@@ -252,6 +255,19 @@ def _headline(tape: _Tape) -> list:
     return lines
 
 
+def _leaves(tape: _Tape) -> str:
+    """The totals' last line: the parameters reached (the root's; without a root, every leaf
+    that requires grad, which may be an input as well) and their elements."""
+    def count(ts):
+        return f"{len(ts)} ({sum(int(t.size) for t in ts):,} elements)"
+    if not tape.has_root:
+        return f"leaves that require grad reached (parameters or inputs): {count(tape.params)}"
+    params = [p for p in tape.params if id(p) in tape.names]
+    others = [p for p in tape.params if id(p) not in tape.names]
+    return f"parameters reached: {count(params)}" + (
+        f"; inputs that require grad: {count(others)}" if others else "")
+
+
 def explain(output: Tensor, root: Any = None) -> str:
     """The recorded graph behind ``output`` as text: a headline (the output's shape and the
     node that made it), one row per node in tape order (module docstring), the gradient
@@ -263,15 +279,14 @@ def explain(output: Tensor, root: Any = None) -> str:
     if tape.nodes:
         lines += [""] + _table(_HEADER, _rows(tape, per_node), right=(0, 6))
         lines += ["", "module -: applied outside every module's forward; inputs #i: the "
-                  "result of row i", "saved: (name) a parameter's own array, not counted; "
-                  "name^ counted at an earlier row", "",
+                  "result of row i", "saved: (name) a leaf's own array (a parameter's, or "
+                  "an input's that requires grad), not counted; name^ counted at an earlier "
+                  "row", "",
                   "gradients (from each Function's docstring):"]
         lines += _gradients(tape)
-    n_elements = sum(int(p.size) for p in tape.params)
     lines += ["", f"nodes: {len(tape.nodes)}",
               f"saved for backward: {human_bytes(total)} ({total:,} bytes in {n_arrays} "
-              f"distinct array{'s' * (n_arrays != 1)}, parameters excluded)",
-              f"parameters reached: {len(tape.params)} ({n_elements:,} elements)"]
+              f"distinct array{'s' * (n_arrays != 1)}, parameters excluded)", _leaves(tape)]
     return "\n".join(lines) + "\n"
 
 
