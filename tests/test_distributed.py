@@ -469,3 +469,77 @@ def test_two_ranks_stop_together_when_training_diverges(tmp_path):
     assert "forward made a NaN or Inf output from finite values" in out
     assert "MPI_ABORT" not in out and "Traceback" not in out, out[-3000:]
     assert not [n for n in os.listdir(run) if n.endswith(".npz")]
+
+
+@needs_mpi
+def test_ranks_started_with_different_options_are_refused_before_any_work(tmp_path):
+    """Rank 1 with another --max-updates: refused at the start on every rank, naming the
+    flag (it trained on, then waited forever in the stop check rank 0 had left)."""
+    run = str(tmp_path / "run")
+    script = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, "--run-dir", run]
+    cmd = [MPIEXEC, "--oversubscribe", "-n", "1", *script, "--max-updates", "20", ":",
+           "-n", "1", *script, "--max-updates", "30"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert ("the ranks were started with different options: rank 1 has --max-updates 30 "
+            "(rank 0: 20); give every rank the same command line") in out, out[-3000:]
+    assert not os.path.exists(os.path.join(run, "checkpoint_last.npz"))
+
+
+@needs_mpi
+def test_two_ranks_into_a_busy_run_dir_give_rank0s_verdict(tmp_path):
+    """A run directory another run holds: every rank says it is in use (rank 1, holding no
+    lock, said it held a run and to pass --resume, which is refused too)."""
+    from minitransformer.mt.rundir import RunDir
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    for name in ("checkpoint_last.npz", "config.json"):  # (a run in training there)
+        open(os.path.join(run, name), "w").close()
+    holder = RunDir(run)
+    holder.lock()
+    try:
+        proc = subprocess.run(mpi_command(2, *SMALL, "--run-dir", run, "--max-updates", "2"),
+                              cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        holder.unlock()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"--run-dir {run} is in use by another training run" in out
+    assert "already holds a run" not in out, out[-3000:]
+
+
+@needs_mpi
+def test_a_signal_to_one_rank_during_the_closing_validation_stops_all_alike(tmp_path):
+    """SIGTERM to rank 1 while the closing validation runs (after the loop's last stop
+    check): every rank exits 143 with the message (rank 1 called MPI_ABORT), and --resume
+    scores the test without validating again."""
+    run = str(tmp_path / "run")
+    script = tmp_path / "train_signalled.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from minitransformer.mt import train as t\n"
+        "real = t.Trainer._validate_and_save\n"
+        "def vs(self, log):\n"
+        "    if self.comm.rank == 1 and self.update == 5:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(self, log)\n"
+        "t.Trainer._validate_and_save = vs\n"
+        "from minitransformer.mt.distributed import abort_on_error, init_from_env\n"
+        "comm = init_from_env()\n"
+        "with abort_on_error(comm):\n"
+        "    sys.exit(t.cli(comm=comm))\n")
+    args = [*SMALL, "--run-dir", run, "--max-updates", "5", "--valid-every", "3",
+            "--test-split", "test"]
+    proc = subprocess.run([MPIEXEC, "--oversubscribe", "-n", "2", sys.executable, str(script),
+                           *args], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                          timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "MPI_ABORT" not in out, out[-3000:]
+    assert "SIGTERM during the closing validation and checkpoint: the test of --test-split " \
+           "test is skipped; --resume scores it" in out, out[-3000:]
+    out = run_mpi(2, *SMALL, "--run-dir", run, "--resume", "--test-split", "test")
+    assert "valid update 5" not in out and "test (test, " in out, out[-3000:]

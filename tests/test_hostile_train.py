@@ -210,7 +210,9 @@ def test_resume_from_a_damaged_checkpoint(run_copy, damage):
         fh.write(data[: len(data) // 2] if damage == "truncate" else b"\0" * 100)
     before = digest(run_copy)
     proc = train("--run-dir", run_copy, "--resume", "--max-updates", "8", "--no-progress")
-    clean_failure(proc, 2, "checkpoint_last.npz")
+    clean_failure(proc, 2, "checkpoint_last.npz", "to resume from the newest checkpoint saved "
+                  f"before it (update 6; the updates after it are trained again), copy "
+                  f"{os.path.join(run_copy, 'checkpoint_6.npz')} over {last}")
     assert digest(run_copy) == before
     ckpt.load_checkpoint(os.path.join(run_copy, "checkpoint_best.npz"))  # the rest still loads
 
@@ -600,3 +602,97 @@ def test_subword_nbest_is_checked_when_the_flags_are_read(tmp_path):
                      "--subword-nbest", nbest)
         clean_failure(proc, 2, "--subword-nbest: must be an integer in [2, 512]")
         assert not os.path.exists(tmp_path / "run")
+
+
+# ---- stops between the writes of a validation, and signals during the closing work ---------
+def test_a_stop_before_the_best_checkpoint_is_written_loses_no_best(trained, tmp_path):
+    """The first validation's checkpoint_best.npz fails to write (a full disk; a kill there
+    is alike): checkpoint_last.npz, written before it, says a best is due, and --resume
+    writes it from last first. The run then ends with the uninterrupted run's checkpoints
+    (before, last kept the new best_bleu and no validation came again: the best was lost)."""
+    run = str(tmp_path / "run")
+    args = SMALL + ["--run-dir", run, "--max-updates", "6", "--valid-every", "3"]
+    code = (
+        "import errno, os, sys\n"
+        "from minitransformer.mt import checkpoint as ckpt\n"
+        "real = ckpt.save_checkpoint\n"
+        "def save(path, *a):\n"
+        "    if path.endswith('checkpoint_best.npz'):\n"
+        "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)\n"
+        "    return real(path, *a)\n"
+        "ckpt.save_checkpoint = save\n"
+        "from minitransformer.mt.train import main\n"
+        f"sys.exit(main({args!r}))\n")
+    clean_failure(python(code), 2, "checkpoint_best.npz: No space left on device")
+    meta = ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]
+    assert (meta["update"], meta.get("best_due")) == (3, True)
+    assert not os.path.exists(os.path.join(run, "checkpoint_best.npz"))
+    proc = train("--run-dir", run, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("valid update 3") == 0  # (not validated again)
+    for name in ("checkpoint_best.npz", "checkpoint_last.npz", "checkpoint_3.npz"):
+        mine, ref = (ckpt.load_checkpoint(os.path.join(d, name)) for d in (run, trained))
+        assert mine[2]["update"] == ref[2]["update"], name
+        assert all(np.array_equal(mine[0][k], ref[0][k]) for k in ref[0]), name
+
+
+def _signal_during(update, signame):
+    """Code that runs train.py's main with validate() sending ``signame`` to this process
+    at ``update`` (the signal lands while a validation runs)."""
+    return (
+        "import os, signal, sys\n"
+        "from minitransformer.mt import train as t\n"
+        "real = t.Trainer.validate\n"
+        "def validate(self):\n"
+        f"    if self.update == {update}:\n"
+        f"        os.kill(os.getpid(), signal.{signame})\n"
+        "    return real(self)\n"
+        "t.Trainer.validate = validate\n")
+
+
+def test_a_signal_during_a_validation_stops_before_another_update(tmp_path):
+    """One process, SIGTERM while the validation of update 3 runs: the run stops at 3 (it
+    made one more update first; ranks already stopped at once)."""
+    run = str(tmp_path / "run")
+    args = SMALL + ["--run-dir", run, "--max-updates", "8", "--valid-every", "3"]
+    code = _signal_during(3, "SIGTERM") + f"sys.exit(t.main({args!r}))\n"
+    proc = python(code)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "SIGTERM: stopped at update 3;" in proc.stdout
+    assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == 3
+
+
+def test_a_signal_during_the_closing_validation_says_the_test_waits_for_resume(tmp_path):
+    """SIGINT during the closing validation (update 5, not a multiple of --valid-every): the
+    run says the test was skipped and --resume scores it; --resume does not validate update
+    5 again (metrics.jsonl had it twice) and runs the test."""
+    run = str(tmp_path / "run")
+    args = SMALL + ["--run-dir", run, "--max-updates", "5", "--valid-every", "3",
+                    "--test-split", "test"]
+    proc = python(_signal_during(5, "SIGINT") + f"sys.exit(t.main({args!r}))\n")
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+    assert "training finished (reached --max-updates 5)" in proc.stdout
+    assert ("SIGINT during the closing validation and checkpoint: the test of --test-split "
+            "test is skipped; --resume scores it") in proc.stdout
+    res = train("--run-dir", run, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "valid update 5" not in res.stdout and "test (test, " in res.stdout
+    with open(os.path.join(run, "metrics.jsonl")) as fh:
+        valid = [r["update"] for r in map(json.loads, fh) if "valid_loss" in r]
+    assert valid == [3, 5]
+
+
+def test_a_full_disk_while_logging_names_metrics_jsonl(tmp_path):
+    from minitransformer.mt.fileio import describe_os_error
+    from minitransformer.mt.log import Log
+    path = str(tmp_path / "metrics.jsonl")
+    log = Log(path, 10, progress=False)
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # (no file name, as write)
+
+    log.file = Full()
+    with pytest.raises(OSError) as err:
+        log.metrics({"update": 1})
+    assert describe_os_error(err.value).startswith(f"{path}: No space left on device")

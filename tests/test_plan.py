@@ -814,3 +814,19 @@ def test_a_linear_run_given_a_budget_and_no_cap_on_resume_goes_on_from_its_rate(
                                        "--resume"]) == 0
     lrs = _no_jump(run, "linear, then planned without a cap")
     assert lrs[76] <= lrs[74]  # (held where it was, not back at the peak)
+
+
+def test_a_budget_that_ends_before_the_first_plan_says_the_rate_never_decayed(
+        tmp_path, capsys, monkeypatch):
+    """--max-time 0.1 min at 0.5 s an update: 12 updates, fewer than the first plan
+    measures; the run ends where the rate stands, and says so and what to give (it said
+    nothing, and the rate was near its peak)."""
+    run, clock = str(tmp_path / "run"), FakeClock()
+    clock.install(monkeypatch)
+    assert train_cli.main(SMALL + ["--run-dir", run, "--max-time", "0.1"]) == 0
+    out = capsys.readouterr().out
+    rate = [r["lr"] for r in records(run) if "lr" in r][-1]
+    assert rate > 0
+    assert ("warning: --max-time 0.1 min ended after 12 updates (0.5 s each), before the 30 "
+            "the plan measures first, so the learning rate was never decayed") in out
+    assert "reached --max-time 0.1 min" in out

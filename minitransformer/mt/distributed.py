@@ -320,6 +320,21 @@ class Comm:
         self.mpi.Allreduce(self.MPI.IN_PLACE, mine, op=self.MPI.MAX)
         return self.size - int(mine[0]) if mine[0] else None
 
+    def same_as_rank0(self, value):
+        """Rank 0's ``value`` (any picklable object), on every rank."""
+        return self.mpi.bcast(value, root=0)
+
+    def differences_from_rank0(self, options):
+        """The first rank whose ``options`` ({name: value}) differ from rank 0's -> (that
+        rank, [(name, its value, rank 0's value)]), on every rank alike; None when every
+        rank has rank 0's. Ranks started with other flags would part at the first stopping
+        rule or collective that reads one, and wait for each other forever."""
+        ref = self.same_as_rank0(options)
+        diff = [(k, options.get(k), ref.get(k)) for k in sorted(set(ref) | set(options))
+                if options.get(k) != ref.get(k)]
+        rank = self.lowest_rank_where(bool(diff))
+        return None if rank is None else (rank, self.mpi.bcast(diff, root=rank))
+
     def agree_min(self, value):
         """The smallest of every rank's ``value`` (a number), on every rank."""
         mine = np.array([value], dtype=np.float64)

@@ -27,6 +27,9 @@ def atomic_write(path, write):
             os.unlink(tmp)
         if isinstance(exc, OSError) and exc.filename is None:  # (a failed write or fsync)
             raise OSError(exc.errno, exc.strerror, path) from exc
+        if isinstance(exc, OSError) and not os.path.isdir(directory):  # (not the temporary's)
+            raise OSError(exc.errno, f"{exc.strerror} (the directory {directory} was removed "
+                          "while it was being written)", path) from exc
         raise
 
 

@@ -6,11 +6,17 @@ import signal
 import sys
 
 
+def named(exc, path):
+    """``exc``, an OSError from writing to an open file (which carries no file name), as one
+    that names ``path``, for the one-line message (fileio.describe_os_error)."""
+    return exc if exc.filename is not None else OSError(exc.errno, exc.strerror, path)
+
+
 class Log:
     """tqdm bar on a terminal, plain lines otherwise; JSONL metrics in the run directory."""
 
     def __init__(self, path, total, progress, enabled=True, comm=None):
-        self.enabled, self.comm = enabled, comm
+        self.enabled, self.comm, self.path = enabled, comm, path
         self.file = open(path, "a", encoding="utf-8") if enabled else None
         self.bar = None
         if enabled and progress and sys.stderr.isatty():
@@ -70,8 +76,11 @@ class Log:
 
     def metrics(self, record):
         if self.enabled:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as exc:  # (a full disk: the error names the file)
+                raise named(exc, self.path) from exc
 
     def info(self, text):
         if not self.enabled:

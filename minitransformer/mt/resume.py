@@ -6,8 +6,9 @@ jumps when --max-updates or --max-time is given anew.
 methods use the Trainer's ``args``, ``cfg``, ``model``, ``optim``, ``scaler``, ``plan``,
 ``batches``, ``rd``, ``files``, ``train_pairs``, ``train_fingerprint`` and ``_saved`` (the
 run's config.json), and set ``update``, ``best_bleu``, ``train_time``, ``catch_up``,
-``log_window`` and ``linear_from``. Trainer._set_up calls ``_check_resumed_schedule``
-before any work; Trainer._build_model calls ``_load``; Trainer.lr_at calls ``_linear_lr``.
+``log_window``, ``validated_at``, ``best_due`` and ``linear_from``. Trainer._set_up calls
+``_check_resumed_schedule`` before any work; Trainer._build_model calls ``_load``;
+Trainer.lr_at calls ``_linear_lr``.
 """
 from ..optim import linear_decay_lr
 from . import checkpoint as ckpt
@@ -18,7 +19,17 @@ from .plan import piece_lr
 
 class Resuming:
     def _load(self, path):
-        params, optim, meta = ckpt.load_checkpoint(path)
+        try:
+            params, optim, meta = ckpt.load_checkpoint(path)
+        except ckpt.CheckpointError as exc:  # (damaged: what the run can go on from instead)
+            saved = self.rd.periodic_checkpoints()
+            if not saved:
+                raise
+            update, newest = saved[-1]
+            raise ckpt.CheckpointError(
+                f"{exc}; to resume from the newest checkpoint saved before it (update "
+                f"{update}; the updates after it are trained again), copy {newest} over "
+                f"{path}") from None
         ckpt.check_compatible(path, meta, self.cfg)
         self.rd.check_vocabulary(path, meta)
         self.model.load_state_dict(params)
@@ -26,6 +37,8 @@ class Resuming:
         self.update, self.best_bleu = meta["update"], meta["best_bleu"]
         self.train_time = meta.get("train_time", 0.0)
         self.catch_up = bool(meta.get("catch_up", False))
+        self.validated_at = meta.get("validated_at")
+        self.best_due = bool(meta.get("best_due", False))
         self.log_window = meta.get("log_window")
         if meta.get("train_pairs", self.train_pairs) != self.train_pairs:
             raise DataError(f"{path}: the run trained on {meta['train_pairs']} pairs, but "

@@ -30,10 +30,11 @@ from .resume import Resuming
 from .data import DataError, collate
 from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
-from .log import Log, StopSignals
-from .options import (PROFILE_WARMUP, check_options, fill_defaults, parse_args, plans_to_deadline,
-                      restore_for_resume, run_options, schedule_warnings, sizes_itself)
-from .plan import WARMUP_SHARE, DeadlinePlan
+from .log import Log, StopSignals, named
+from .options import (MODEL_FLAGS, PROFILE_WARMUP, check_options, fill_defaults, parse_args,
+                      plans_to_deadline, restore_for_resume, run_options, schedule_warnings,
+                      sizes_itself)
+from .plan import MEASURE, SKIP, WARMUP_SHARE, DeadlinePlan
 from .rundir import RunDir, RunDirBusy
 from .step import train_step
 from .translation import corpus_bleu, translate_lines
@@ -91,6 +92,8 @@ class Trainer(CorpusSetUp, Resuming):
         if self.sizing and "max_tokens" not in args.explicit:
             args.max_tokens = autosize.CPU_TOKENS if self.device == "cpu" else "auto"
         check_options(args)
+        if self.comm:
+            self._check_same_options()
         for line in schedule_warnings(args):
             self._log_early(line)
         self._prepare_data()
@@ -119,6 +122,21 @@ class Trainer(CorpusSetUp, Resuming):
             if note:
                 self._log_early(note)
 
+    def _check_same_options(self):
+        """Every rank must train with rank 0's options (its model's and its run's; --data may
+        name the same corpus by another path on another machine): refused before any work,
+        alike on every rank."""
+        a = self.args
+        mine = {k: v for k, v in {**run_options(a), **{k: getattr(a, k) for k in MODEL_FLAGS
+                                                        if hasattr(a, k)}}.items()
+                if k != "data"}
+        found = self.comm.differences_from_rank0(mine)
+        if found is not None:
+            rank, diff = found
+            flags = ", ".join(f"--{k.replace('_', '-')} {v} (rank 0: {r})" for k, v, r in diff)
+            raise SystemExit(f"error: the ranks were started with different options: rank "
+                             f"{rank} has {flags}; give every rank the same command line")
+
     def _open_run_dir(self):
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
         fill in those this command line does not give). Nothing in it is overwritten.
@@ -127,10 +145,19 @@ class Trainer(CorpusSetUp, Resuming):
             raise SystemExit(f"error: --resume: --run-dir {self.rd.path} does not exist; give "
                              "the directory of the run to continue")
         os.makedirs(self.rd.path, exist_ok=True)
+        busy = None
         if self.main:
-            if not self.rd.lock():  # (RunDirBusy while another run trains here)
-                self._log_early(f"warning: the file system of {self.rd.path} has no file "
-                                "locks; nothing stops a second run from training there")
+            try:
+                if not self.rd.lock():  # (RunDirBusy while another run trains here)
+                    self._log_early(f"warning: the file system of {self.rd.path} has no file "
+                                    "locks; nothing stops a second run from training there")
+            except RunDirBusy as exc:
+                busy = (exc.path, exc.holder)
+        if self.comm:  # (rank 0's verdict for every rank: the others hold no lock, and
+            busy = self.comm.same_as_rank0(busy)  # would judge the directory by its files)
+        if busy is not None:
+            raise RunDirBusy(*busy)
+        if self.main:
             removed = self.rd.remove_stale_temporaries()
             if removed:
                 self._log_early(f"removed {len(removed)} temporary file(s) left by an "
@@ -169,6 +196,8 @@ class Trainer(CorpusSetUp, Resuming):
         # a signal stopped the run right after update ``self.update``, before the validation
         # and checkpoints due after it: --resume does them first (``_loop``)
         self.catch_up = False
+        self.validated_at = None  # the update of the latest validation (not repeated on resume)
+        self.best_due = False  # a validation found a new best not yet in checkpoint_best.npz
         self.log = None  # the run's Log (its line's window goes into each checkpoint)
         self.log_window = None  # the window the resumed checkpoint kept, for run()'s Log
         # (update, rate): a linear run (no plan) whose --max-updates changed on --resume
@@ -207,6 +236,10 @@ class Trainer(CorpusSetUp, Resuming):
             meta["plan"] = self.plan.state_dict()
         if self.catch_up:
             meta["catch_up"] = True
+        if self.validated_at is not None:
+            meta["validated_at"] = self.validated_at
+        if self.best_due:
+            meta["best_due"] = True
         if self.log is not None:
             meta["log_window"] = self.log.window()
         if self.linear_from is not None:
@@ -364,10 +397,15 @@ class Trainer(CorpusSetUp, Resuming):
                          f"{self.update}; saved {self.rd.last}; continue with --resume"
                          + (f" (which first writes {due}, due after update {self.update})"
                             if due else ""))
-            elif self.valid is not None and self.update % self.args.valid_every != 0:
+            elif (self.valid is not None and self.update % self.args.valid_every != 0
+                  and self.validated_at != self.update):  # (a resumed finished run: done)
                 self._validate_and_save(log)
             else:
                 self.save(self.rd.last)
+            if finished and self.comm:  # a signal during the closing work, on any rank:
+                _, agreed = self.comm.agree_to_stop(0.0, stop.signum)  # all stop alike
+                if agreed is not None:
+                    stop.signum, self.comm.agreed_stop = agreed, True
         # (a signal during the closing validation or save: training finished, and the run
         # still stops with the signal's status, skipping the test)
         self.stopped_by = stop.signum
@@ -375,12 +413,18 @@ class Trainer(CorpusSetUp, Resuming):
             log.info(f"training finished ({reason}) after {self.update} updates, "
                      f"{self.train_time:.0f} s ({self.clock() - self.start:.1f} s with the "
                      "closing validation and checkpoint)")
+        if finished and stop.signum is not None and self.test_set is not None:
+            log.info(f"{signal.Signals(stop.signum).name} during the closing validation and "
+                     f"checkpoint: the test of --test-split {self.args.test_split} is skipped; "
+                     "--resume scores it (the training is finished and saved)")
         log.close()
         return stop.signum is None
 
     def _loop(self, log, stop):
         """Updates until a stopping rule (-> its description) or a signal (-> None)."""
         self.start = start = self.clock() - self.train_time  # the run's time, over resumes
+        if self.best_due and self.main:  # resumed from a stop before the best was written
+            self.write_best()
         if self.catch_up:  # resumed from a stop right after an update: what was due after it
             self.catch_up = False  # (before the checkpoints it writes)
             self._checkpoints_due(log)
@@ -418,6 +462,8 @@ class Trainer(CorpusSetUp, Resuming):
             if agreed is not None:  # (a signal arriving meanwhile stays in stop)
                 stop.signum = agreed
                 return "signal"
+        elif stop.signum is not None:  # (one that came during a validation or checkpoint:
+            return "signal"            # stop before another update, as the ranks do)
         if self.plan is not None:
             planned = self.plan.observe(self.update, elapsed)
             if planned is not None:
@@ -431,6 +477,12 @@ class Trainer(CorpusSetUp, Resuming):
         if a.max_epochs and self.batches.state_dict()["epoch"] >= a.max_epochs:
             return f"reached --max-epochs {a.max_epochs}"
         if a.max_time and elapsed >= a.max_time * 60:
+            if self.plan is not None and self.plan.rate is None:  # (ended before any plan)
+                log.info(f"warning: --max-time {a.max_time:g} min ended after {self.update} "
+                         f"updates ({elapsed / max(self.update, 1):.2g} s each), before the "
+                         f"{SKIP + MEASURE} the plan measures first, so the learning rate was "
+                         f"never decayed (it is {self.lr_at(self.update):.3g}): give a "
+                         "--max-time several times as long")
             return f"reached --max-time {a.max_time} min"
         return None
 
@@ -480,13 +532,22 @@ class Trainer(CorpusSetUp, Resuming):
         log.metrics(rec)
         log.info(f"valid update {self.update}: loss {loss:.3f} ppl {rec['valid_ppl']:.2f} "
                  f"BLEU {bleu:.2f}")
+        self.validated_at = self.update  # (in the checkpoints: a resume does not repeat it)
         if self.main:
-            self.save(self.rd.periodic(self.update), self.rd.last)
-            self.rd.prune(self.args.keep_last)
-            if bleu > self.best_bleu:
-                self.best_bleu = bleu
-                self.save(self.rd.best, self.rd.last)  # (last carries the new best_bleu)
+            if bleu > self.best_bleu:  # last says a best is due until checkpoint_best has it:
+                self.best_bleu, self.best_due = bleu, True  # a run stopped before (a kill, a
+            self.save(self.rd.periodic(self.update), self.rd.last)  # full disk) writes it
+            self.rd.prune(self.args.keep_last)                  # from last on --resume
+            if self.best_due:
+                self.write_best()
         self.saved_update = self.update
+
+    def write_best(self):
+        """checkpoint_best.npz from the model in hand (that of update ``self.update``, the
+        best validated), then checkpoint_last.npz again, no longer saying a best is due."""
+        self.best_due = False  # (if writing best fails, the run stops: last still says so)
+        self.save(self.rd.best)
+        self.save(self.rd.last)
 
     def test(self):
         """Score the test split with beam search: the best checkpoint, or an average."""
@@ -516,11 +577,14 @@ class Trainer(CorpusSetUp, Resuming):
         print(f"test ({split}, {len(src)} sentences, {what}, beam {a.beam}, "
               f"{time.perf_counter() - t0:.1f} s): BLEU = {bleu:.2f}  {sig}", flush=True)
         # the score beside the learning curves (mt/plots.py draws it against training time)
-        with open(self.rd.metrics, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"update": self.update, "test_split": split, "test_bleu": bleu,
-                                "test_signature": sig, "test_checkpoints": what,
-                                "beam": a.beam, "alpha": a.alpha,
-                                "time": self.train_time}) + "\n")
+        try:
+            with open(self.rd.metrics, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"update": self.update, "test_split": split,
+                                    "test_bleu": bleu, "test_signature": sig,
+                                    "test_checkpoints": what, "beam": a.beam,
+                                    "alpha": a.alpha, "time": self.train_time}) + "\n")
+        except OSError as exc:  # (a full disk: the error names the file)
+            raise named(exc, self.rd.metrics) from exc
         return bleu
 
 
