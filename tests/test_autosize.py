@@ -73,6 +73,12 @@ def test_sizing_needs_data_and_a_budget_and_no_preset():
     assert on and args.vocab_size is None  # (chosen from the corpus when it is read)
     assert args.subword_alpha == autosize.SUBWORD_ALPHA and args.lr_factor == autosize.LR_FACTOR
     assert args.lr_schedule == "linear"
+    # a --warmup given: the factor that keeps the recipe's peak (2 would give 2x it at 1000)
+    from minitransformer.optim import noam_lr
+    on, chosen = sizes("--data", "d", "--max-time", "30", "--warmup", "1000")
+    assert on and chosen.lr_factor == pytest.approx(1.0)
+    assert noam_lr(1000, 256, 1000, chosen.lr_factor) == pytest.approx(
+        noam_lr(4000, 256, 4000, autosize.LR_FACTOR)) == pytest.approx(2e-3, rel=0.02)
     on, args = sizes("--data", "d", "--max-time", "30", "--subword-alpha", "0",
                      "--lr-factor", "1", "--vocab-size", "4000")
     assert on and (args.subword_alpha, args.lr_factor, args.vocab_size) == (0.0, 1.0, 4000)

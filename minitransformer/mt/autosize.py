@@ -44,6 +44,7 @@ TOKENS_PER_PARAM = 1.0  # at least this many target tokens trained on per parame
 CPU_TOKENS = 3072
 SUBWORD_ALPHA = 0.5
 LR_FACTOR = 2.0  # with the default warm-up of 4000: the recipe's peak (2e-3 at d_model 256)
+LR_FACTOR_WARMUP = 4000  # (a --warmup given scales the factor to keep that peak)
 PROBE_STEPS = 3  # updates timed per rung (after one more to warm up)
 BUDGET_SHARE = 0.9  # of --max-time spent on updates (the rest: validations, checkpoints)
 

@@ -323,8 +323,11 @@ def fill_defaults(args):
         from .autosize import SUBWORD_ALPHA
         args.subword_alpha = SUBWORD_ALPHA
     if sizes_itself(args) and "lr_factor" not in args.explicit:
-        from .autosize import LR_FACTOR
-        args.lr_factor = LR_FACTOR
+        from .autosize import LR_FACTOR, LR_FACTOR_WARMUP
+        # the recipe's peak (noam's peak goes as factor / sqrt(warm-up)): for a --warmup
+        # given, the factor that keeps it (2 with 400 updates would double it: a run that
+        # short and that high stayed at its first loss)
+        args.lr_factor = LR_FACTOR * math.sqrt(args.warmup / LR_FACTOR_WARMUP)
     # (not the synthetic corpus's default 600; --max-updates 0 is no cap, as when not given)
     given = "max_updates" in args.explicit and args.max_updates > 0
     if (not args.resume and args.max_time > 0 and "lr_schedule" not in args.explicit
