@@ -506,3 +506,21 @@ def test_the_log_window_a_checkpoint_keeps_includes_the_all_reduce_time(tmp_path
     a, b = line(tmp_path / "a"), line(tmp_path / "b")
     assert a["allreduce_s"] == pytest.approx(0.1) and b["allreduce_s"] == pytest.approx(0.1)
     assert (a["loss"], a["update_s"]) == (b["loss"], b["update_s"])
+
+
+def test_a_flag_counts_as_given_however_it_is_written():
+    """--flag=value and an abbreviation are given flags too (only '--flag value' counted: a
+    --resume --max-updates=160 kept the run's 150 and trained nothing, and a run that sizes
+    itself overrode --subword-alpha=0)."""
+    args = options.parse_args(["--max-updates=160", "--lr-fac", "0.5", "--no-progress",
+                               "--subword-alpha=0", "--data", "d"])
+    assert args.explicit == {"max_updates", "lr_factor", "no_progress", "subword_alpha",
+                             "data"}
+    assert (args.max_updates, args.lr_factor, args.subword_alpha) == (160, 0.5, 0.0)
+
+
+def test_resume_takes_a_flag_written_with_an_equals_sign(tmp_path):
+    run = str(tmp_path / "run")
+    assert run_train("--run-dir", run, "--max-updates", "6", "--valid-every", "1000") == 0
+    assert run_train("--run-dir", run, "--resume", "--max-updates=9") == 0
+    assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == 9

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 
 from ..nn.transformer import PRESETS, TransformerConfig
 from .ranges import add_number, check_ranges
@@ -252,12 +251,22 @@ def parse_args(argv=None):
         options = check_ranges(parser, options, f"--config {args.config}")
         parser.set_defaults(**options)
         args = parser.parse_args(argv)
-    args.explicit = {a.dest for a in parser._actions
-                     if any(s in (argv if argv is not None else sys.argv[1:])
-                            for s in a.option_strings)}
+    args.explicit = given_on_command_line(argv)
     if args.config:  # a config file's options are as deliberate as flags
         args.explicit |= set(options)
     return args
+
+
+def given_on_command_line(argv=None):
+    """The options the command line gives, however each is written (``--max-updates 5``,
+    ``--max-updates=5``, an abbreviation such as ``--max-upd 5``): the command line parsed
+    again with every default a marker no flag can produce."""
+    probe, unset = build_parser(), object()
+    for action in probe._actions:
+        if action.dest != "help":
+            action.default = unset
+    given = probe.parse_args(argv)
+    return {name for name, value in vars(given).items() if value is not unset}
 
 
 def option_names():
