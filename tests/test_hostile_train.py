@@ -100,6 +100,8 @@ BAD_FLAGS = [
     (["--vocab-size", "3"], "--vocab-size: must be an integer >= 8"),
     (["--max-bad-updates", "0"], "--max-bad-updates: must be an integer >= 1"),
     (["--loss-scale-init", "inf"], "--loss-scale-init: must be a finite number > 0"),
+    (["--norm", "middle"], "argument --norm: invalid choice: 'middle' (choose from 'post', 'pre')"),
+    (["--smoothing", "all"], "argument --smoothing: invalid choice: 'all'"),
 ]
 
 
@@ -119,6 +121,14 @@ def test_help_shows_ranges_and_the_real_defaults():
     assert "(in [0, 1))" in out               # the dropout rates and label smoothing
 
 
+def test_heads_that_do_not_divide_the_model_are_refused_before_the_corpus_work(tmp_path):
+    run = tmp_path / "run"
+    proc = train("--run-dir", str(run), "--n-heads", "3")  # (the tiny preset's d_model 128)
+    clean_failure(proc, 2, "the model's d_model 128 (--d-model) must be divisible by its "
+                           "n_heads 3 (--n-heads)", "give, e.g., --n-heads 2")
+    assert not (run / "spm.model").exists() and not (run / "data").exists()
+
+
 # ---- config files ----------------------------------------------------------------------------
 @pytest.mark.parametrize("name,text,message", [
     ("list.json", "[1, 2]", "top level must be a table of options"),
@@ -129,6 +139,12 @@ def test_help_shows_ranges_and_the_real_defaults():
     ("range.json", '{"warmup": -5}', "warmup (--warmup) must be an integer >= 1"),
     ("type.json", '{"lr_factor": "fast"}', "lr_factor (--lr-factor) must be a number > 0"),
     ("bool.json", '{"beam": true}', "beam (--beam) must be an integer >= 1"),
+    ("switch.toml", 'share-embeddings = "false"',  # ("false" was taken as true)
+     "share_embeddings (--share-embeddings) must be true or false (a boolean, not 'false')"),
+    ("progress.json", '{"no_progress": "no"}', "no_progress (--no-progress) must be true or "
+                                                "false"),
+    ("choice.json", '{"norm": "middle"}', "norm (--norm) must be one of 'post', 'pre', not "
+                                          "'middle'"),
 ])
 def test_bad_config_file_is_refused(tmp_path, name, text, message):
     path = tmp_path / name

@@ -11,7 +11,7 @@ import json
 import math
 import os
 
-from ..nn.transformer import PRESETS, TransformerConfig
+from ..nn.transformer import CHOICES, PRESETS, TransformerConfig
 from .ranges import add_number, check_ranges
 
 USAGE = """train.py: train a Transformer on parallel text, the paper's recipe (§5), from the
@@ -125,7 +125,7 @@ def _model_flags(g):
             add_number(g, flag, typ, MODEL_RANGES[f.name], dest=f.name, default=None,
                        help=f"overrides the preset (paper default {f.default})")
         else:
-            g.add_argument(flag, dest=f.name, default=None,
+            g.add_argument(flag, dest=f.name, default=None, choices=CHOICES.get(f.name),
                            help=f"overrides the preset (paper default {f.default})")
 
 
@@ -363,6 +363,13 @@ def plans_to_deadline(args):
 
 def check_options(args):
     """Combinations of options that cannot work, each refused with what to do instead."""
+    preset = {} if sizes_itself(args) or args.resume else PRESETS.get(args.preset, {})
+    d, h = (getattr(args, k) or preset.get(k) for k in ("d_model", "n_heads"))
+    if d and h and d % h:  # (before the corpus work: the model is built after it)
+        raise SystemExit(f"error: the model's d_model {d} (--d-model) must be divisible by "
+                         f"its n_heads {h} (--n-heads): each head attends over d_model / "
+                         f"n_heads features; give, e.g., --n-heads "
+                         f"{max(k for k in range(1, h + 1) if d % k == 0)}")
     if args.resume and args.max_tokens == "auto":
         raise SystemExit("error: --max-tokens auto chooses the batch size when a run starts; "
                          "a resumed run keeps the one it chose (in config.json): drop "

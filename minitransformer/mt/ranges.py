@@ -88,4 +88,16 @@ def check_ranges(parser, options, source):
                 flag = action.option_strings[0]
                 raise SystemExit(f"error: {source}: {action.dest} ({flag}) {exc}") from None
         options[action.dest] = converted if isinstance(value, (list, tuple)) else converted[0]
+    for action in parser._actions:  # switches take booleans, choices one of theirs
+        if action.dest not in options or options[action.dest] is None or not action.option_strings:
+            continue
+        value, flag = options[action.dest], action.option_strings[0]
+        switch = isinstance(action, argparse.BooleanOptionalAction) or (
+            isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool))
+        if switch and not isinstance(value, bool):  # ("false" would read as true)
+            raise SystemExit(f"error: {source}: {action.dest} ({flag}) must be true or false "
+                             f"(a boolean, not {value!r})")
+        if action.choices is not None and value not in action.choices:
+            raise SystemExit(f"error: {source}: {action.dest} ({flag}) must be one of "
+                             f"{', '.join(map(repr, action.choices))}, not {value!r}")
     return options

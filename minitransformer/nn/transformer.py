@@ -32,6 +32,11 @@ from .module import Dropout, LayerNorm, Linear, Module, parameter
 from .real_rows import RealRows
 
 
+# the values each of TransformerConfig's string fields takes (train.py's flags offer them)
+CHOICES = {"norm": ("post", "pre"), "positions": ("sinusoidal", "learned"),
+           "sinusoid_layout": ("interleaved", "concat"), "smoothing": ("others", "uniform")}
+
+
 @dataclasses.dataclass
 class TransformerConfig:
     """Every hyperparameter of the model; saved as config.json with each checkpoint.
@@ -63,9 +68,7 @@ class TransformerConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
                              f"({self.n_heads})")
-        for field, allowed in (("norm", ("post", "pre")), ("positions", ("sinusoidal", "learned")),
-                               ("sinusoid_layout", ("interleaved", "concat")),
-                               ("smoothing", ("others", "uniform"))):
+        for field, allowed in CHOICES.items():
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
 
