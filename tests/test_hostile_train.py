@@ -252,6 +252,19 @@ def test_data_missing_a_training_file(tmp_path):
     clean_failure(proc, 2, "train.de")
 
 
+def test_a_wrong_language_is_named_before_the_other_splits(tmp_path):
+    """--src-lang fr for a corpus of en and de: the training file is named with the flag and
+    the languages there (it was blamed on --valid-split, whose advice did not help)."""
+    for split in ("train", "valid"):
+        for lang in ("en", "de"):
+            (tmp_path / f"{split}.{lang}").write_text("a b c\n")
+    proc = train(*SMALL, "--data", str(tmp_path), "--src-lang", "fr", "--tgt-lang", "de",
+                 "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, f"{tmp_path / 'train.fr'} not found (--src-lang fr); the "
+                           f"--train-split train files in {tmp_path} are train.de, train.en: "
+                           "give --src-lang and --tgt-lang as their suffixes")
+
+
 def test_training_file_that_is_a_directory(tmp_path):
     (tmp_path / "train.en").write_text("a b c\n")
     (tmp_path / "train.de").mkdir()

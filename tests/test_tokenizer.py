@@ -173,3 +173,22 @@ def test_long_lines_are_used_to_train_the_vocabulary(tmp_path):
     text.write_text(("word " * 1400 + "\n") * 5, encoding="utf-8")
     tok = Tokenizer(train_sentencepiece([str(text)], str(tmp_path / "spm"), 10))
     assert tok.sp.unk_id() not in tok.encode(["word word"])[0]
+
+
+@pytest.mark.parametrize("head,advice", [
+    (b"\x1f\x8b\x08\x00", "it is gzip-compressed: decompress it first (`gunzip -k FILE`)"),
+    (b"\xfd7zXZ\x00", "it is compressed (xz, bzip2 or zstd)"),
+    ("Ein Mann.\n".encode("utf-16"), "it is UTF-16 (it starts with a UTF-16 byte-order mark): "
+                                     "convert it, e.g. `iconv -f utf-16 -t utf-8`"),
+    ("Caf\xe9\n".encode("latin1"), "convert the file to UTF-8 from its encoding, e.g. "
+                                   "`iconv -f latin1 -t utf-8` for Latin-1"),
+])
+def test_a_file_that_is_not_utf8_gets_advice_for_what_it_is(tmp_path, head, advice):
+    """A compressed or UTF-16 file is told to be decompressed or converted from UTF-16 (the
+    advice was always iconv -f latin1, which turns them into valid-looking garbage)."""
+    from minitransformer.mt.data import read_lines
+    path = tmp_path / "f.txt"
+    path.write_bytes(head + b"\xff\xfe rest\n")
+    with pytest.raises(DataError) as err:
+        read_lines(str(path))
+    assert advice in str(err.value) and "line 1: not valid UTF-8" in str(err.value)

@@ -71,6 +71,17 @@ class CorpusSetUp:
         are kept (``self.test_set``: scored at the end, every line)."""
         a = self.args
         self.test_set = None
+        missing = [(p, flag, lang) for p, flag, lang in zip(
+            self.files[a.train_split], ("--src-lang", "--tgt-lang"), (a.src_lang, a.tgt_lang))
+            if not os.path.exists(p)]
+        if missing:  # (before the other splits: a wrong language is missing from all of them)
+            there = sorted(n for n in os.listdir(self.data_dir)
+                           if n.startswith(a.train_split + ".")) if os.path.isdir(
+                self.data_dir) else []
+            raise DataError(f"{missing[0][0]} not found ({missing[0][1]} {missing[0][2]}); "
+                            f"the --train-split {a.train_split} files in {self.data_dir} are "
+                            f"{', '.join(there) or 'none'}: give --src-lang and --tgt-lang as "
+                            "their suffixes, or --train-split the split's name")
         for flag, split, what in (("--valid-split", a.valid_split, "validation"),
                                   ("--test-split", a.test_split, "test")):
             if not split:

@@ -80,7 +80,23 @@ def _decode_utf8(data, path):
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise DataError(f"{path}, line {line}: not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
-                        "convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`") from None
+                        f"{_conversion(data)}") from None
+
+
+def _conversion(data):
+    """What to do with a file that is not UTF-8, from its first bytes: a compressed file is
+    decompressed, a UTF-16 one (its byte-order mark) converted from UTF-16, and anything
+    else converted from its encoding (latin1, a guess that never fails, would turn those two
+    into text that looks valid)."""
+    if data[:2] == b"\x1f\x8b":
+        return "it is gzip-compressed: decompress it first (`gunzip -k FILE`)"
+    if data[:6] == b"\xfd7zXZ\x00" or data[:3] == b"BZh" or data[:4] == b"\x28\xb5\x2f\xfd":
+        return "it is compressed (xz, bzip2 or zstd): decompress it first"
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return "it is UTF-16 (it starts with a UTF-16 byte-order mark): convert it, e.g. " \
+               "`iconv -f utf-16 -t utf-8`"
+    return "convert the file to UTF-8 from its encoding, e.g. `iconv -f latin1 -t utf-8` " \
+           "for Latin-1"
 
 
 def read_parallel(src_path, tgt_path):
