@@ -524,3 +524,12 @@ def test_resume_takes_a_flag_written_with_an_equals_sign(tmp_path):
     assert run_train("--run-dir", run, "--max-updates", "6", "--valid-every", "1000") == 0
     assert run_train("--run-dir", run, "--resume", "--max-updates=9") == 0
     assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == 9
+
+
+def test_averaging_more_checkpoints_than_are_kept_is_warned_at_the_start(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert run_train("--run-dir", run, "--max-updates", "2", "--keep-last", "2",
+                     "--average-last", "5") == 0
+    assert ("warning: --average-last 5 averages the newest 5 periodic checkpoints for the "
+            "test, but --keep-last 2 keeps only 2: give --keep-last 5 (or 0, to keep them all)"
+            ) in capsys.readouterr().out

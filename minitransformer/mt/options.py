@@ -387,6 +387,18 @@ def check_options(args):
                          "(in a new --run-dir) or drop --subword-alpha")
 
 
+def option_warnings(args):
+    """Options that work but not as their user likely means -> lines to print: the
+    schedule's (``schedule_warnings``) and checkpoints to average that are not kept."""
+    lines = schedule_warnings(args)
+    if 0 < args.keep_last < args.average_last:
+        lines.append(f"warning: --average-last {args.average_last} averages the newest "
+                     f"{args.average_last} periodic checkpoints for the test, but --keep-last "
+                     f"{args.keep_last} keeps only {args.keep_last}: give --keep-last "
+                     f"{args.average_last} (or 0, to keep them all)")
+    return lines
+
+
 def schedule_warnings(args):
     """Options that work but train badly, each with what to do instead -> lines to print
     (on --resume only when a schedule flag is given again: a run's own are said once)."""

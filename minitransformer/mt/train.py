@@ -32,7 +32,7 @@ from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
 from .log import Log, StopSignals, named
 from .options import (MODEL_FLAGS, PROFILE_WARMUP, check_options, fill_defaults, parse_args,
-                      plans_to_deadline, restore_for_resume, run_options, schedule_warnings,
+                      option_warnings, plans_to_deadline, restore_for_resume, run_options,
                       sizes_itself)
 from .plan import MEASURE, SKIP, WARMUP_SHARE, DeadlinePlan
 from .rundir import RunDir, RunDirBusy
@@ -94,7 +94,7 @@ class Trainer(CorpusSetUp, Resuming):
         check_options(args)
         if self.comm:
             self._check_same_options()
-        for line in schedule_warnings(args):
+        for line in option_warnings(args):
             self._log_early(line)
         self._prepare_data()
         self.cfg = self._model_config()
