@@ -572,6 +572,20 @@ def test_resume_from_another_directory_and_flags_that_change_the_data(tmp_path):
         proc = train("--run-dir", run, "--resume", flag, value, "--max-updates", "10")
         clean_failure(proc, 2, f"{flag} '{value}' differs from the run being resumed")
     assert digest(run) == before
+    # a copy of the corpus elsewhere, while the run's own is still there: used (it was
+    # refused); another corpus there is refused by its training pairs
+    shutil.copytree(tmp_path / "data", tmp_path / "copy")
+    proc = train("--run-dir", run, "--resume", "--data", str(tmp_path / "copy"),
+                 "--max-updates", "10", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"using {tmp_path / 'copy'} (its training pairs must be the run's)" in proc.stdout
+    with open(tmp_path / "copy" / "train.src", "a") as fh:
+        fh.write("one more line\n")
+    with open(tmp_path / "copy" / "train.tgt", "a") as fh:
+        fh.write("noch eine Zeile\n")
+    proc = train("--run-dir", run, "--resume", "--data", str(tmp_path / "copy"),
+                 "--max-updates", "12", "--no-progress")
+    clean_failure(proc, 2, "the run trained on")
 
 
 def test_a_float16_run_resumed_on_the_cpu_is_refused(run_copy):

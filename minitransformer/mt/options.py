@@ -303,15 +303,18 @@ def restore_for_resume(args, saved, run_dir):
 
 def _same_corpus(saved, given):
     """--data on --resume: the run's directory however it is written (relative or absolute,
-    a trailing slash), or another path when the run's is not found from here (the corpus
-    moved, or the run was started from another directory with a relative path)."""
+    a trailing slash), or another directory (the corpus moved or was copied, or the run was
+    started from another directory with a relative path): the training pairs there are
+    checked against those the run trained on (their number and fingerprint, in each
+    checkpoint), so another corpus is still refused."""
     if saved is None or given is None:
         return saved == given
     if os.path.realpath(saved) == os.path.realpath(given):
         return True
-    if not os.path.isdir(saved) and os.path.isdir(given):
-        print(f"note: the run's --data {saved} is not found from here; using {given}",
-              flush=True)
+    if os.path.isdir(given):
+        why = "is not found from here" if not os.path.isdir(saved) else "is given anew"
+        print(f"note: the run's --data {saved} {why}; using {given} (its training pairs "
+              "must be the run's)", flush=True)
         return True
     return False
 
