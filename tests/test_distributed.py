@@ -129,6 +129,9 @@ class _OneRank(_TwoEqualRanks):
     def Bcast(self, chunk, root=0):
         pass
 
+    def bcast(self, value, root=0):
+        return value
+
     def Barrier(self):
         pass
 

@@ -43,7 +43,8 @@ which is what bench/common.py's ``train_flops`` counts for a training step (test
     Dropout, DropoutResidual    1 n, 2 n (drawing the mask: 0)    1 n
     Sum, Mean                   1 n                               0 (a broadcast)
     Embedding                   0 (a gather)                      1 n (the scatter-add)
-    Reshape, Transpose, SplitHeads, MergeHeads, Cast, any other Function: 0 FLOPs, still timed
+    Reshape, Transpose, Index, SplitHeads, MergeHeads, Cast, any other Function: 0 FLOPs,
+    still timed (moves: an Index's backward adds only where an index repeats)
 
 GFLOP/s is a row's FLOPs over its time; MFU (model FLOPs utilisation) is that rate over the
 peak: by default ``measure_peak_gflops``, the best rate of n x n x n products (n = 1024) of
