@@ -739,3 +739,33 @@ def test_a_full_disk_while_logging_names_metrics_jsonl(tmp_path):
     with pytest.raises(OSError) as err:
         log.metrics({"update": 1})
     assert describe_os_error(err.value).startswith(f"{path}: No space left on device")
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
+    """The first SIGINT says the run will stop once the work in progress is done and how to
+    stop at once; a second one (during the validation of update 6, here) stops there,
+    without saving (extra Ctrl-Cs were ignored until the validation, and one more update,
+    were done): exit 130, the checkpoints as saved at update 3, and --resume goes on."""
+    run = str(tmp_path / "run")
+    args = SMALL + ["--run-dir", run, "--max-updates", "8", "--valid-every", "3"]
+    code = ("import os, signal, sys\n"
+            "from minitransformer.mt import train as t\n"
+            "real = t.Trainer.validate\n"
+            "def validate(self):\n"
+            "    if self.update == 6:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(self)\n"
+            "t.Trainer.validate = validate\n"
+            f"sys.exit(t.cli({args!r}))\n")
+    proc = python(code)
+    clean_failure(proc, 130, "a second SIGINT: stopped at once, without saving; "
+                  f"{run} holds the run as last saved (checkpoint_last.npz at update 3); "
+                  "continue with --resume")
+    assert ("SIGINT: stopping once the update, validation or checkpoint in progress is done, "
+            "and saving; a second SIGINT stops at once, without saving") in proc.stdout
+    assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == 3
+    assert not [n for n in os.listdir(run) if n.startswith(".tmp-")]
+    res = train("--run-dir", run, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == 8

@@ -102,9 +102,22 @@ class Log:
             self.file.close()
 
 
+class ForcedStop(KeyboardInterrupt):
+    """A second stop signal: the run ends at once, without saving (StopSignals)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class StopSignals:
-    """Within ``with StopSignals() as stop:`` SIGINT and SIGTERM set ``stop.signum`` instead
-    of ending the process, so the loop can finish its update and save."""
+    """Within ``with StopSignals(say) as stop:`` SIGINT and SIGTERM set ``stop.signum``
+    instead of ending the process, so the loop can finish its update and save; ``say`` tells
+    the user at once. A second signal raises ForcedStop where the process is (a save in
+    progress leaves the file it replaces intact: fileio.atomic_write)."""
+
+    def __init__(self, say=None):
+        self.say = say
 
     def __enter__(self):
         self.signum = None
@@ -113,7 +126,13 @@ class StopSignals:
         return self
 
     def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            raise ForcedStop(signum)
         self.signum = signum
+        if self.say is not None:
+            self.say(f"{name}: stopping once the update, validation or checkpoint in progress "
+                     f"is done, and saving; a second {name} stops at once, without saving")
 
     def __exit__(self, *exc):
         for s, handler in self._saved.items():

@@ -30,7 +30,7 @@ from .resume import Resuming
 from .data import DataError, collate
 from .fileio import atomic_write_text, describe_os_error
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
-from .log import Log, StopSignals, named
+from .log import ForcedStop, Log, StopSignals, named
 from .options import (MODEL_FLAGS, PROFILE_WARMUP, check_options, fill_defaults, parse_args,
                       option_warnings, plans_to_deadline, restore_for_resume, run_options,
                       sizes_itself)
@@ -372,7 +372,7 @@ class Trainer(CorpusSetUp, Resuming):
         """Train until a stopping rule (--max-updates / --max-epochs / --max-time) or a
         signal. -> True when training finished, False when a signal stopped it (the state
         is then saved in checkpoint_last.npz, to continue with --resume)."""
-        with StopSignals() as stop:  # (a signal during the final save is noted, not fatal)
+        with StopSignals(self._log_early) as stop:  # (a signal during the final save: noted)
             log = self.log = Log(self.rd.metrics, self.args.max_updates,
                                  not self.args.no_progress, enabled=self.main, comm=self.comm)
             if self.log_window is not None:  # (resumed: the next line's window goes on)
@@ -631,6 +631,13 @@ def main(argv=None, comm=None):
         return _fail(str(exc), 3) if exc.speak else 3
     except MemoryError:
         return _fail(out_of_memory(args, trainer), 1)
+    except ForcedStop as exc:  # a second signal, while training: nothing more saved
+        saved = getattr(trainer, "saved_update", None)
+        return _fail(f"a second {signal.Signals(exc.signum).name}: stopped at once, without "
+                     f"saving; {args.run_dir} holds the run as last saved"
+                     + (f" (checkpoint_last.npz at update {saved})" if saved is not None
+                        else "") + "; continue with --resume",
+                     128 + exc.signum if comm is None else 1)
     except KeyboardInterrupt:  # (under mpiexec: status 1, so the other ranks are stopped)
         if trainer is None:
             stage, again = "while setting up the run", "run the same command again"
