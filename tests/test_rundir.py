@@ -91,6 +91,36 @@ def test_trim_metrics_keeps_each_update_once(tmp_path):
         assert fh.read().endswith('{"update": 5, "loss": 1.0}\n')  # the next one goes below
 
 
+def test_trim_metrics_keeps_the_scores_translate_py_recorded(tmp_path):
+    """A score translate.py --record added carries the last logged update, which a run
+    killed after it and resumed from an earlier checkpoint drops: kept (it was deleted)."""
+    rd = RunDir(tmp_path)
+    records = [{"update": 4, "loss": 1.0}, {"update": 6, "loss": 0.9},
+               {"update": 6, "test_bleu": 20.0, "recorded_by": "translate.py"}]
+    with open(rd.metrics, "w") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+    assert rd.trim_metrics(4) == 1
+    with open(rd.metrics) as fh:
+        assert [json.loads(line) for line in fh] == [records[0], records[2]]
+
+
+def test_a_test_scored_again_the_same_way_replaces_its_record(tmp_path):
+    """A finished run resumed to be tested again (same update, split, checkpoints, beam and
+    alpha): one record (each resume appended another); scored another way: a new one."""
+    rd = RunDir(tmp_path)
+    test = {"update": 6, "test_split": "test", "test_bleu": 20.0, "test_signature": "s",
+            "test_checkpoints": "checkpoint_best.npz", "beam": 4, "alpha": 0.6, "time": 9.0}
+    with open(rd.metrics, "w") as fh:
+        fh.write(json.dumps({"update": 6, "loss": 1.0}) + "\n")
+    rd.add_test_record(test)
+    rd.add_test_record({**test, "time": 9.5})
+    rd.add_test_record({**test, "beam": 1, "test_bleu": 19.0})
+    with open(rd.metrics) as fh:
+        recs = [json.loads(line) for line in fh]
+    assert recs == [{"update": 6, "loss": 1.0}, {**test, "time": 9.5},
+                    {**test, "beam": 1, "test_bleu": 19.0}]
+
+
 def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
     rd = RunDir(tmp_path)
     ours = [".tmp-a1b2c3d4checkpoint_last.npz", ".tmp-_x9Yq0z_config.json",

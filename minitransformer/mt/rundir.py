@@ -113,15 +113,34 @@ class RunDir:
     def trim_metrics(self, update):
         """Drop the records of metrics.jsonl after ``update`` (and a line cut short by a
         kill): a run resumed from its checkpoint at ``update`` logs those updates again, so
-        each update is recorded once. -> the number of lines dropped."""
+        each update is recorded once (the scores ``translate.py --record`` added are
+        kept: they do not come again). -> the number of lines dropped."""
         if not os.path.exists(self.metrics):
             return 0
         with open(self.metrics, encoding="utf-8") as fh:
             lines = fh.readlines()
-        keep = [line for line in lines if _record_update(line) <= update]
+        keep = [line for line in lines if _record_update(line) <= update
+                or _recorded_by_translate(line)]  # (a score translate.py --record added)
         if len(keep) != len(lines) or (keep and not keep[-1].endswith("\n")):
             atomic_write_text(self.metrics, "".join(line.rstrip("\n") + "\n" for line in keep))
         return len(lines) - len(keep)
+
+    def add_test_record(self, record):
+        """Append train.py's test ``record`` to metrics.jsonl, in place of one that scored
+        the same checkpoints the same way (a finished run resumed to be tested again),
+        so each score is recorded once."""
+        same = ("update", "test_split", "test_checkpoints", "beam", "alpha")
+        lines = []
+        if os.path.exists(self.metrics):
+            with open(self.metrics, encoding="utf-8") as fh:
+                lines = fh.readlines()
+        kept = [line for line in lines if not _same_test(line, record, same)]
+        if len(kept) == len(lines):
+            with open(self.metrics, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+        else:
+            atomic_write_text(self.metrics, "".join(line.rstrip("\n") + "\n" for line in kept)
+                              + json.dumps(record) + "\n")
 
     def set_aside_unsaved(self, corpus=False):
         """A new run starting here (no checkpoint_last.npz): move what an earlier run that
@@ -215,6 +234,23 @@ STALE_TEMPORARY = re.compile(rf"\.tmp-.{{8}}({CHECKPOINT_NAME.pattern}|config\.j
 # the files of a run, which a new run must not mix with its own (RunDir.set_aside_unsaved)
 UNSAVED_RUN_FILE = re.compile(r"config\.json|metrics\.jsonl|spm\.(model|vocab)|"
                               r"checkpoint_(best|\d+)\.npz|[^/]*\.hyp")
+
+
+def _same_test(line, record, keys):
+    """Whether the metrics.jsonl ``line`` is train.py's test record of ``record``'s keys."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return False
+    return (isinstance(rec, dict) and "test_bleu" in rec and "recorded_by" not in rec
+            and all(rec.get(k) == record.get(k) for k in keys))
+
+
+def _recorded_by_translate(line):
+    try:
+        return "recorded_by" in json.loads(line)
+    except (ValueError, TypeError):
+        return False
 
 
 def _record_update(line):

@@ -578,11 +578,10 @@ class Trainer(CorpusSetUp, Resuming):
               f"{time.perf_counter() - t0:.1f} s): BLEU = {bleu:.2f}  {sig}", flush=True)
         # the score beside the learning curves (mt/plots.py draws it against training time)
         try:
-            with open(self.rd.metrics, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"update": self.update, "test_split": split,
-                                    "test_bleu": bleu, "test_signature": sig,
-                                    "test_checkpoints": what, "beam": a.beam,
-                                    "alpha": a.alpha, "time": self.train_time}) + "\n")
+            self.rd.add_test_record({"update": self.update, "test_split": split,
+                                     "test_bleu": bleu, "test_signature": sig,
+                                     "test_checkpoints": what, "beam": a.beam, "alpha": a.alpha,
+                                     "time": self.train_time})
         except OSError as exc:  # (a full disk: the error names the file)
             raise named(exc, self.rd.metrics) from exc
         return bleu
