@@ -201,7 +201,18 @@ def test_new_run_into_a_finished_run_is_refused(run_copy):
 
 def test_resume_into_an_empty_directory(tmp_path):
     proc = train(*SMALL, "--run-dir", str(tmp_path), "--resume")
-    clean_failure(proc, 2, "--resume", str(tmp_path))
+    clean_failure(proc, 2, f"--resume: no checkpoint_last.npz and no config.json in --run-dir "
+                           f"{tmp_path}; start without --resume")
+    (tmp_path / "config.json").write_text("{}")  # a run that stopped before its checkpoint
+    proc = train(*SMALL, "--run-dir", str(tmp_path), "--resume")
+    clean_failure(proc, 2, f"--resume: no checkpoint_last.npz in --run-dir {tmp_path}; the run "
+                           "there stopped before its first checkpoint: start it again without "
+                           "--resume")
+
+
+def test_an_empty_run_dir_is_named(tmp_path):
+    clean_failure(train(*SMALL, "--run-dir", ""), 2, "--run-dir is empty: give the run's "
+                                                     "directory")
 
 
 def test_resume_of_a_run_dir_that_does_not_exist_creates_nothing(tmp_path):

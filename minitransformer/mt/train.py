@@ -141,6 +141,8 @@ class Trainer(CorpusSetUp, Resuming):
         """--run-dir: a new run there, or with --resume the run it holds (whose options then
         fill in those this command line does not give). Nothing in it is overwritten.
         Rank 0 holds the directory's lock for the life of the process (RunDir.lock)."""
+        if not self.args.run_dir:
+            raise SystemExit("error: --run-dir is empty: give the run's directory")
         if self.args.resume and not os.path.exists(self.rd.path):  # (not made: a typo)
             raise SystemExit(f"error: --resume: --run-dir {self.rd.path} does not exist; give "
                              "the directory of the run to continue")
@@ -163,9 +165,14 @@ class Trainer(CorpusSetUp, Resuming):
                 self._log_early(f"removed {len(removed)} temporary file(s) left by an "
                                 f"interrupted save: {', '.join(removed)}")
         if self.args.resume:
-            if not self.rd.holds_run() or not os.path.exists(self.rd.config):
-                raise SystemExit(f"error: --resume: no checkpoint_last.npz and config.json in "
-                                 f"--run-dir {self.rd.path}; start without --resume")
+            missing = [os.path.basename(p) for p in (self.rd.last, self.rd.config)
+                       if not os.path.exists(p)]
+            if missing:
+                early = ("; the run there stopped before its first checkpoint: start it "
+                         "again without --resume (what it left is set aside)"
+                         if os.path.exists(self.rd.config) else "; start without --resume")
+                raise SystemExit(f"error: --resume: no {' and no '.join(missing)} in "
+                                 f"--run-dir {self.rd.path}{early}")
             self._saved = self.rd.read_config()
             restore_for_resume(self.args, self._saved, self.rd.path)
         elif self.rd.holds_run():
