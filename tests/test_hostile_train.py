@@ -288,6 +288,12 @@ def test_max_len_beyond_the_models_positions(tmp_path):
     proc = train(*SMALL, "--max-positions", "32", "--max-len", "64", "--run-dir",
                  str(tmp_path / "run"), "--max-updates", "2")
     clean_failure(proc, 2, "--max-len 64", "(--max-positions 32)", "give --max-len 32 or less")
+    # the default --max-len (256) follows a smaller --max-positions: refused it, a default the
+    # user never set
+    proc = train(*SMALL, "--max-positions", "32", "--run-dir", str(tmp_path / "run2"),
+                 "--max-updates", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "longer than --max-len 32 dropped" in proc.stdout
 
 
 def test_overlong_validation_pairs_are_counted_with_file_and_line(tmp_path):

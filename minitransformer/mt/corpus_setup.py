@@ -166,8 +166,10 @@ class CorpusSetUp:
         """The validation set (when its files exist), without the pairs longer than the
         model's positions (counted in the log, as training pairs are)."""
         a, limit = self.args, self.cfg.max_positions
-        if a.max_len > limit and a.resume:  # (a run from before this check: no pair was
-            a.max_len = limit                # longer, or it would have failed on it)
+        if a.max_len > limit and (a.resume or "max_len" not in a.explicit):
+            # (the default --max-len follows a smaller --max-positions; a resumed run from
+            # before this check had no pair longer, or it would have failed on it)
+            a.max_len = limit
         elif a.max_len > limit:
             raise SystemExit(f"error: --max-len {a.max_len} is more than the model's positions "
                              f"(--max-positions {limit}): give --max-len {limit} or less, or "
