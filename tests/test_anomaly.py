@@ -100,3 +100,15 @@ def test_the_module_that_ran_the_op_is_named():
     with mt.detect_anomaly(), pytest.raises(mt.AnomalyError) as err:  # no root: no path
         model.loss(*args)
     assert err.value.module is None
+
+
+def test_a_python_number_that_is_not_finite_counts_as_a_non_finite_input():
+    class AddNumber(mt.Function):
+        def forward(self, x, b):
+            return x + b
+
+        def backward(self, dy):
+            return dy, None
+
+    with mt.detect_anomaly(), pytest.raises(mt.AnomalyError, match="was given non-finite"):
+        AddNumber.apply(Tensor(np.ones(3), requires_grad=True), float("nan"))

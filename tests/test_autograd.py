@@ -283,6 +283,21 @@ def test_indexing_comparisons_and_an_array_on_the_left_of_matmul(xp, arrays, ass
     assert (x == x) is True and (x == 1.0) is False  # (identity: x.data == 1.0 for values)
 
 
+def test_a_tensors_truth_and_numpy_conversion_are_its_values():
+    """bool(t) is the array's (it was len(t): (x > 1) of [0.0] was true); np.asarray(t) of
+    a Tensor without a gradient is its values (indexing made NumPy convert it element by
+    element), and of one that requires grad is refused rather than losing the gradient."""
+    assert not bool(Tensor(np.array([0.0])) > 1) and bool(Tensor(np.array(2.0)) > 1)
+    with pytest.raises(ValueError, match="ambiguous"):
+        bool(Tensor(np.ones(3)) > 0)
+    a = np.arange(6.0).reshape(2, 3)
+    assert np.array_equal(np.asarray(Tensor(a)), a) and np.asarray(Tensor(a)).dtype == a.dtype
+    with pytest.raises(TypeError, match="requires grad cannot become a NumPy array"):
+        np.asarray(Tensor(a, requires_grad=True))
+    y = np.ones(3) * Tensor(np.arange(3.0), requires_grad=True)  # (ops still give Tensors)
+    assert isinstance(y, Tensor) and y.requires_grad
+
+
 # ---- backward's contract and its errors ---------------------------------------------------------
 def test_backward_on_non_scalar_needs_a_seed(xp, arrays):
     y = leaf(arrays, 2, 3) * 2.0

@@ -786,3 +786,65 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
     res = train("--run-dir", run, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == 8
+
+
+def test_a_second_ctrl_c_during_the_save_names_the_checkpoint_on_disk(tmp_path):
+    """The first SIGINT after update 7, the second while checkpoint_last.npz is being saved
+    for it: the message names update 4, what checkpoint_last holds (it named 7)."""
+    run = str(tmp_path / "run")
+    args = SMALL + ["--run-dir", run, "--max-updates", "20", "--save-every", "4",
+                    "--valid-every", "100"]
+    code = ("import os, signal, sys\n"
+            "from minitransformer.mt import checkpoint as ckpt, train as t\n"
+            "real_update, real_save = t.Trainer.train_update, ckpt.save_checkpoint\n"
+            "def train_update(self):\n"
+            "    out = real_update(self)\n"
+            "    if self.update == 7:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return out\n"
+            "def save(path, *a):\n"
+            "    if path.endswith('checkpoint_last.npz') and a[-1]['update'] == 7:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real_save(path, *a)\n"
+            "t.Trainer.train_update, ckpt.save_checkpoint = train_update, save\n"
+            f"sys.exit(t.cli({args!r}))\n")
+    proc = python(code)
+    clean_failure(proc, 130, "(checkpoint_last.npz at update 4)")
+    assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == 4
+
+
+def test_a_run_rolled_back_to_an_older_checkpoint_keeps_its_better_best(trained, tmp_path):
+    """Periodic checkpoints do not say a best is due (a run rolled back to one rewrote
+    checkpoint_best with that older model), and a last put back by hand that says so does
+    not replace a best at least as good."""
+    run = str(tmp_path / "run")
+    shutil.copytree(trained, run)
+    assert "best_due" not in ckpt.load_checkpoint(os.path.join(run, "checkpoint_3.npz"))[2]
+    best = ckpt.load_checkpoint(os.path.join(run, "checkpoint_best.npz"))
+    assert best[2]["update"] == 3
+    # a checkpoint_last of update 6 (not the best) that says a best is due, with a lower
+    # best_bleu than checkpoint_best's
+    code = ("import json, sys, numpy as np\n"
+            "from minitransformer.mt import checkpoint as ckpt\n"
+            f"p, o, m = ckpt.load_checkpoint({os.path.join(run, 'checkpoint_6.npz')!r})\n"
+            f"m.update(best_due=True, best_bleu={best[2]['best_bleu'] - 1.0})\n"
+            "arrays = {**{'model/' + k: v for k, v in p.items()},\n"
+            "          **{'optim/' + k: v for k, v in o.items()}, 'meta': json.dumps(m)}\n"
+            f"np.savez({os.path.join(run, 'checkpoint_last.npz')!r}, **arrays)\n")
+    assert python(code).returncode == 0
+    proc = train("--run-dir", run, "--resume", "--max-updates", "6")  # (nothing to train)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept = ckpt.load_checkpoint(os.path.join(run, "checkpoint_best.npz"))
+    assert kept[2]["update"] == best[2]["update"]
+    assert all(np.array_equal(kept[0][k], best[0][k]) for k in best[0])
+
+
+def test_a_save_into_a_removed_run_directory_says_so(tmp_path):
+    """The run directory deleted between saves: the message names the checkpoint and says
+    the directory was removed (it named a temporary file)."""
+    from minitransformer.mt.fileio import atomic_write, describe_os_error
+    path = str(tmp_path / "gone" / "checkpoint_last.npz")
+    with pytest.raises(OSError) as err:
+        atomic_write(path, lambda f: f.write(b"x"))
+    assert describe_os_error(err.value) == (
+        f"{path}: the directory {tmp_path / 'gone'} was removed (No such file or directory)")

@@ -16,6 +16,7 @@ was not finite.
 """
 from __future__ import annotations
 
+import cmath
 import contextlib
 
 from .. import backend
@@ -52,6 +53,8 @@ def enabled():
 
 
 def _finite(a):
+    if isinstance(a, (float, complex)):  # (a Python number given to a Function's apply)
+        return cmath.isfinite(a)
     if a is None or not hasattr(a, "dtype") or a.dtype.kind not in "fc":
         return True
     return bool(backend.get_array_module(a).isfinite(a).all())

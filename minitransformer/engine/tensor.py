@@ -109,6 +109,20 @@ class Tensor:
     def __len__(self):
         return len(self.data)
 
+    def __bool__(self):  # (as the array's: a one-element Tensor's value, else an error;
+        return bool(self.data)  # not its length, which made (x > 1) of [0.0] true)
+
+    def __array__(self, dtype=None, copy=None):
+        """np.asarray(t): the values, of a Tensor that needs no gradient (indexing made a
+        Tensor look like a sequence, converted element by element); one that requires grad
+        is refused (its gradient would be lost silently)."""
+        if self.requires_grad:
+            raise TypeError("a Tensor that requires grad cannot become a NumPy array (its "
+                            "gradient would be lost): use t.numpy() for a copy of its values, "
+                            "or the engine's ops")
+        values = self.numpy()
+        return values if dtype is None else values.astype(dtype, copy=False)
+
     def __repr__(self):
         grad = ", requires_grad=True" if self.requires_grad else ""
         return f"Tensor(shape={self.shape}, dtype={self.dtype}, device={self.device}{grad})"
@@ -324,13 +338,10 @@ def _raw(x):
 
 
 def _one_output(fn, out):
-    """forward's result, refused when it is not one array (a tuple would become one Tensor
-    stacking its parts)."""
-    if isinstance(out, (tuple, list)):
-        raise TypeError(f"{type(fn).__name__}.forward returned a {type(out).__name__}; a "
-                        "Function has one output: return one array (or write one Function "
-                        "per output)")
-    return out
+    """Refuse forward's result ``out``, a tuple or list (it would become one Tensor stacking
+    its parts)."""
+    raise TypeError(f"{type(fn).__name__}.forward returned a {type(out).__name__}; a Function "
+                    "has one output: return one array (or write one Function per output)")
 
 
 class _Edge:
@@ -374,16 +385,20 @@ class Function:
             # inference (decoding under no_grad): no tape, nothing kept beyond this call
             # (a decoding step applies about 20 ops a layer, each on a few rows: this path
             # is kept short)
-            return Tensor.wrap(_one_output(fn, fn.forward(*[_raw(x) for x in inputs])))
+            out = fn.forward(*[x.data if isinstance(x, Tensor) else _raw(x) for x in inputs])
+            if isinstance(out, (tuple, list)):
+                _one_output(fn, out)
+            return Tensor.wrap(out)
         grad = _grad_mode.enabled
         tensors = tuple(x if isinstance(x, Tensor) else as_tensor(x) for x in inputs)
-        arrays = [_raw(x) for x in inputs]
+        arrays = [t.data if isinstance(x, Tensor) else _raw(x) for x, t in zip(inputs, tensors)]
         fn.module = scope.current_module()  # the module whose forward applies it, or None
         if _profiler is None:
             out = fn.forward(*arrays)
         else:  # (profiler.profile: this forward timed, its FLOPs and bytes counted)
             out = _profiler.forward(fn, arrays)
-        out = _one_output(fn, out)
+        if isinstance(out, (tuple, list)):
+            _one_output(fn, out)
         if anomaly.enabled():  # (detect_anomaly: the first NaN or Inf names its op)
             anomaly.check_forward(fn, arrays, out)
         out = Tensor(out)

@@ -10,7 +10,10 @@ def atomic_write(path, write):
     permissions ``open`` would give it (0666 less the umask), not mkstemp's 0600: a run
     directory can be shared, to translate with by another user of its group."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    except OSError as exc:  # (the error names the temporary; a directory gone: said)
+        raise _named(exc, path, directory) from exc
     try:
         try:
             os.fchmod(fd, 0o666 & ~umask())
@@ -25,12 +28,18 @@ def atomic_write(path, write):
     except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.filename is None:  # (a failed write or fsync)
-            raise OSError(exc.errno, exc.strerror, path) from exc
-        if isinstance(exc, OSError) and not os.path.isdir(directory):  # (not the temporary's)
-            raise OSError(exc.errno, f"{exc.strerror} (the directory {directory} was removed "
-                          "while it was being written)", path) from exc
+        if isinstance(exc, OSError):  # (a failed write or fsync names no file)
+            raise _named(exc, path, directory) from exc
         raise
+
+
+def _named(exc, path, directory):
+    """An OSError from writing ``path`` through a temporary, as one naming ``path`` (and
+    saying so when its directory is gone), for the one-line message."""
+    what = exc.strerror or str(exc)
+    if not os.path.isdir(directory):
+        what = f"the directory {directory} was removed ({what})"
+    return OSError(exc.errno, what, path)
 
 
 def umask():
@@ -76,4 +85,6 @@ def describe_os_error(exc):
     what = exc.strerror or str(exc)
     if hint and hint.startswith(what.lower()):  # (the hint repeats what happened)
         return f"{where}: {what}{hint[len(what):]}"
+    if hint and hint in what.lower():  # (said already)
+        return f"{where}: {what}"
     return f"{where}: {what}" + (f"; {hint}" if hint else "")

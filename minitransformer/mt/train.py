@@ -200,6 +200,7 @@ class Trainer(CorpusSetUp, Resuming):
         self.train_time = 0.0
         self.guard = DivergenceGuard(a.max_bad_updates)  # float32 (float16: the scaler)
         self.saved_update = None  # the update of the newest checkpoint
+        self.last_saved = None  # the update checkpoint_last.npz holds (this process's saves)
         # a signal stopped the run right after update ``self.update``, before the validation
         # and checkpoints due after it: --resume does them first (``_loop``)
         self.catch_up = False
@@ -220,7 +221,9 @@ class Trainer(CorpusSetUp, Resuming):
                                      else WARMUP_SHARE, average_last=a.average_last)
         if a.resume:
             self._load(self.rd.last)
-            self.saved_update = self.update
+            self.saved_update = self.last_saved = self.update
+            if self.main and not self.best_due:  # (a run put back to an older checkpoint:
+                self.best_bleu = max(self.best_bleu, self.best_held())  # best only improves)
             if self.main and not a.profile:  # the log lines after the checkpoint come again
                 self.rd.trim_metrics(self.update)
         if self.comm is not None:
@@ -261,13 +264,15 @@ class Trainer(CorpusSetUp, Resuming):
             raise Diverged(f"the parameters are not finite at update {self.update}; "
                            f"{', '.join(paths)} not written (the checkpoints saved before are "
                            "as they were)", speak=self.main)
-        self.saved_update = self.update  # (on every rank: for the divergence message)
         if self.main:
             for path in paths:
                 ckpt.save_checkpoint(path, self.model, self.optim, self._meta())
+                if path == self.rd.last:  # (written: what a forced stop can resume from)
+                    self.last_saved = self.update
             if self._config_to_save is not None and self.rd.last in paths:
                 self.rd.write_config(*self._config_to_save)  # (the options it now runs with)
                 self._config_to_save = None
+        self.saved_update = self.update  # (on every rank, once written: for the messages)
 
     # ---- training ------------------------------------------------------------------------
     def lr_at(self, update):
@@ -431,7 +436,7 @@ class Trainer(CorpusSetUp, Resuming):
         """Updates until a stopping rule (-> its description) or a signal (-> None)."""
         self.start = start = self.clock() - self.train_time  # the run's time, over resumes
         if self.best_due and self.main:  # resumed from a stop before the best was written
-            self.write_best()
+            self._best_from_last()
         if self.catch_up:  # resumed from a stop right after an update: what was due after it
             self.catch_up = False  # (before the checkpoints it writes)
             self._checkpoints_due(log)
@@ -543,11 +548,31 @@ class Trainer(CorpusSetUp, Resuming):
         if self.main:
             if bleu > self.best_bleu:  # last says a best is due until checkpoint_best has it:
                 self.best_bleu, self.best_due = bleu, True  # a run stopped before (a kill, a
-            self.save(self.rd.periodic(self.update), self.rd.last)  # full disk) writes it
-            self.rd.prune(self.args.keep_last)                  # from last on --resume
+            due, self.best_due = self.best_due, False     # full disk) writes it from last on
+            self.save(self.rd.periodic(self.update))      # --resume (not a periodic one: a run
+            self.best_due = due                           # rolled back to it would replace a
+            self.save(self.rd.last)                       # later best)
+            self.rd.prune(self.args.keep_last)
             if self.best_due:
                 self.write_best()
         self.saved_update = self.update
+
+    def _best_from_last(self):
+        """--resume of a checkpoint_last that says a best is due: written, unless
+        checkpoint_best.npz already holds one at least as good (a copy of an older last put
+        back by hand: checkpoint_best only ever improves)."""
+        held = self.best_held()
+        if held >= self.best_bleu:
+            self.best_bleu, self.best_due = held, False
+            self.save(self.rd.last)
+            return
+        self.write_best()
+
+    def best_held(self):
+        """The validation BLEU of checkpoint_best.npz (-1 without one)."""
+        if not os.path.exists(self.rd.best):
+            return -1.0
+        return ckpt.load_checkpoint(self.rd.best, optimizer=False)[2].get("best_bleu", -1.0)
 
     def write_best(self):
         """checkpoint_best.npz from the model in hand (that of update ``self.update``, the
@@ -616,7 +641,7 @@ def main(argv=None, comm=None):
     flags, files or data, or a path the run cannot use (refusals of flags and run
     directories raise SystemExit with the message; ``cli`` turns them into 2 as well); 3
     training diverged; 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM: the state is
-    saved, --resume continues)."""
+    saved, --resume continues; after a second signal, as last saved)."""
     args = parse_args(argv)
     trainer = None
     try:
@@ -638,7 +663,7 @@ def main(argv=None, comm=None):
     except MemoryError:
         return _fail(out_of_memory(args, trainer), 1)
     except ForcedStop as exc:  # a second signal, while training: nothing more saved
-        saved = getattr(trainer, "saved_update", None)
+        saved = getattr(trainer, "last_saved", None)
         return _fail(f"a second {signal.Signals(exc.signum).name}: stopped at once, without "
                      f"saving; {args.run_dir} holds the run as last saved"
                      + (f" (checkpoint_last.npz at update {saved})" if saved is not None
