@@ -209,3 +209,17 @@ def test_modules_and_parameters_in_lists_and_dicts_are_found():
     assert len(m.parameters()) == 4  # the activation kept in a list is not one
     report = gradcheck(m, [rng.normal(size=(2, 4))], raise_on_failure=False)
     assert set(report) == {"input[0]", *names} and all(r["ok"] for r in report.values())
+
+
+def test_a_frozen_parameter_stays_in_the_state_dict():
+    """requires_grad turned off on a parameter (frozen): the optimizer's parameters leave it
+    out, the state dict keeps it (it dropped it, and loading the earlier state then failed
+    with 'unexpected')."""
+    lin = mt.nn.Linear(3, 2, dtype=np.float64)
+    before = lin.state_dict()
+    lin.bias.requires_grad = False
+    assert [n for n, _ in lin.named_parameters()] == ["weight"]
+    assert set(lin.state_dict()) == {"weight", "bias"}
+    before["bias"] = before["bias"] + 1.0
+    lin.load_state_dict(before)
+    assert (lin.bias.data == 1.0).all()

@@ -52,23 +52,28 @@ class Module:
         for name, m in self.named_children():
             yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
 
-    def named_parameters(self, prefix=""):
-        """(name, Tensor) pairs, each shared parameter once (under its first name)."""
+    def named_parameters(self, prefix="", frozen=False):
+        """(name, Tensor) pairs, each shared parameter once (under its first name): those
+        that require grad (what an optimizer steps), and with ``frozen`` also those made by
+        ``parameter`` whose requires_grad was turned off since (what a checkpoint holds)."""
         seen = set()
-        for name, p in self._named_parameters(prefix):
+        for name, p in self._named_parameters(prefix, frozen):
             if id(p) not in seen:
                 seen.add(id(p))
                 yield name, p
 
-    def _named_parameters(self, prefix):
+    def _named_parameters(self, prefix, frozen):
+        def wanted(t):
+            return isinstance(t, Tensor) and t.node is None and (
+                t.requires_grad or (frozen and getattr(t, "is_parameter", False)))
         for name, v in vars(self).items():
-            if isinstance(v, Tensor) and v.requires_grad:
+            if isinstance(v, Tensor) and (v.requires_grad or wanted(v)):
                 yield prefix + name, v
             for i, t in _contents(v):  # (leaves only: a list of activations holds no parameter)
-                if isinstance(t, Tensor) and t.requires_grad and t.node is None:
+                if wanted(t):
                     yield f"{prefix}{name}.{i}", t
         for name, m in self.named_children():
-            yield from m._named_parameters(f"{prefix}{name}.")
+            yield from m._named_parameters(f"{prefix}{name}.", frozen)
 
     def parameters(self):
         return [p for _, p in self.named_parameters()]
@@ -86,11 +91,13 @@ class Module:
         return self.train(False)
 
     def state_dict(self):
-        """Name -> NumPy copy of every parameter (a snapshot: training does not change it)."""
-        return {name: backend.to_numpy(p.data).copy() for name, p in self.named_parameters()}
+        """Name -> NumPy copy of every parameter, frozen ones included (a snapshot: training
+        does not change it)."""
+        return {name: backend.to_numpy(p.data).copy()
+                for name, p in self.named_parameters(frozen=True)}
 
     def load_state_dict(self, state, strict=True):
-        own = dict(self.named_parameters())
+        own = dict(self.named_parameters(frozen=True))
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
         if strict and (missing or unexpected):
@@ -109,7 +116,11 @@ class Module:
 
 
 def parameter(array):
-    return Tensor(array, requires_grad=True)
+    """A trainable Tensor of ``array``: requires grad, and stays in the module's state_dict
+    if that is turned off later (a frozen parameter)."""
+    t = Tensor(array, requires_grad=True)
+    t.is_parameter = True
+    return t
 
 
 class Linear(Module):
