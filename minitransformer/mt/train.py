@@ -266,7 +266,10 @@ class Trainer(CorpusSetUp, Resuming):
                            "as they were)", speak=self.main)
         if self.main:
             for path in paths:
-                ckpt.save_checkpoint(path, self.model, self.optim, self._meta())
+                meta = self._meta()
+                if path != self.rd.last:  # (only last says a best is due: a run rolled back
+                    meta.pop("best_due", None)  # to a periodic one would replace a later best)
+                ckpt.save_checkpoint(path, self.model, self.optim, meta)
                 if path == self.rd.last:  # (written: what a forced stop can resume from)
                     self.last_saved = self.update
             if self._config_to_save is not None and self.rd.last in paths:
@@ -548,11 +551,8 @@ class Trainer(CorpusSetUp, Resuming):
         if self.main:
             if bleu > self.best_bleu:  # last says a best is due until checkpoint_best has it:
                 self.best_bleu, self.best_due = bleu, True  # a run stopped before (a kill, a
-            due, self.best_due = self.best_due, False     # full disk) writes it from last on
-            self.save(self.rd.periodic(self.update))      # --resume (not a periodic one: a run
-            self.best_due = due                           # rolled back to it would replace a
-            self.save(self.rd.last)                       # later best)
-            self.rd.prune(self.args.keep_last)
+            self.save(self.rd.periodic(self.update), self.rd.last)  # full disk) writes it
+            self.rd.prune(self.args.keep_last)                  # from last on --resume
             if self.best_due:
                 self.write_best()
         self.saved_update = self.update
