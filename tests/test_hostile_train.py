@@ -765,12 +765,15 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
     were done): exit 130, the checkpoints as saved at update 3, and --resume goes on."""
     run = str(tmp_path / "run")
     args = SMALL + ["--run-dir", run, "--max-updates", "8", "--valid-every", "3"]
-    code = ("import os, signal, sys\n"
+    code = ("import os, signal, sys, time\n"
             "from minitransformer.mt import train as t\n"
             "real = t.Trainer.validate\n"
             "def validate(self):\n"
             "    if self.update == 6:\n"
             "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        os.kill(os.getpid(), signal.SIGINT)  # (the same stop, delivered twice)\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)  # (a machine's: never forces)\n"
+            "        time.sleep(1.1)\n"
             "        os.kill(os.getpid(), signal.SIGINT)\n"
             "    return real(self)\n"
             "t.Trainer.validate = validate\n"
@@ -780,7 +783,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
                   f"{run} holds the run as last saved (checkpoint_last.npz at update 3); "
                   "continue with --resume")
     assert ("SIGINT: stopping once the update, validation or checkpoint in progress is done, "
-            "and saving; a second SIGINT stops at once, without saving") in proc.stdout
+            "and saving; Ctrl-C again stops at once, without saving") in proc.stdout
     assert ckpt.load_checkpoint(os.path.join(run, "checkpoint_last.npz"))[2]["update"] == 3
     assert not [n for n in os.listdir(run) if n.startswith(".tmp-")]
     res = train("--run-dir", run, "--resume")
@@ -794,7 +797,7 @@ def test_a_second_ctrl_c_during_the_save_names_the_checkpoint_on_disk(tmp_path):
     run = str(tmp_path / "run")
     args = SMALL + ["--run-dir", run, "--max-updates", "20", "--save-every", "4",
                     "--valid-every", "100"]
-    code = ("import os, signal, sys\n"
+    code = ("import os, signal, sys, time\n"
             "from minitransformer.mt import checkpoint as ckpt, train as t\n"
             "real_update, real_save = t.Trainer.train_update, ckpt.save_checkpoint\n"
             "def train_update(self):\n"
@@ -804,6 +807,7 @@ def test_a_second_ctrl_c_during_the_save_names_the_checkpoint_on_disk(tmp_path):
             "    return out\n"
             "def save(path, *a):\n"
             "    if path.endswith('checkpoint_last.npz') and a[-1]['update'] == 7:\n"
+            "        time.sleep(1.1)\n"
             "        os.kill(os.getpid(), signal.SIGINT)\n"
             "    return real_save(path, *a)\n"
             "t.Trainer.train_update, ckpt.save_checkpoint = train_update, save\n"

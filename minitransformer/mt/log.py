@@ -4,6 +4,7 @@ import json
 import math
 import signal
 import sys
+import time
 
 
 def named(exc, path):
@@ -110,29 +111,38 @@ class ForcedStop(KeyboardInterrupt):
         self.signum = signum
 
 
+# A Ctrl-C this long after the first stop signal ends the run at once; one sooner is the same
+# stop delivered twice (a terminal's Ctrl-C reaches mpiexec and every rank, and mpiexec
+# forwards it too; a scheduler may signal the ranks and their launcher alike)
+FORCE_AFTER_S = 1.0
+
+
 class StopSignals:
     """Within ``with StopSignals(say) as stop:`` SIGINT and SIGTERM set ``stop.signum``
     instead of ending the process, so the loop can finish its update and save; ``say`` tells
-    the user at once. A second signal raises ForcedStop where the process is (a save in
-    progress leaves the file it replaces intact: fileio.atomic_write)."""
+    the user at once. A Ctrl-C (SIGINT) FORCE_AFTER_S or more after the first signal raises
+    ForcedStop where the process is (a save in progress leaves the file it replaces intact:
+    fileio.atomic_write); a repeated SIGTERM, which comes from a machine, never does."""
 
     def __init__(self, say=None):
         self.say = say
 
     def __enter__(self):
-        self.signum = None
+        self.signum, self.first = None, None
         self._saved = {s: signal.signal(s, self._on_signal)
                        for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def _on_signal(self, signum, frame):
-        name = signal.Signals(signum).name
         if self.signum is not None:
-            raise ForcedStop(signum)
-        self.signum = signum
+            if signum == signal.SIGINT and time.monotonic() - self.first >= FORCE_AFTER_S:
+                raise ForcedStop(signum)
+            return
+        self.signum, self.first = signum, time.monotonic()
         if self.say is not None:
-            self.say(f"{name}: stopping once the update, validation or checkpoint in progress "
-                     f"is done, and saving; a second {name} stops at once, without saving")
+            self.say(f"{signal.Signals(signum).name}: stopping once the update, validation or "
+                     "checkpoint in progress is done, and saving; Ctrl-C again stops at once, "
+                     "without saving")
 
     def __exit__(self, *exc):
         for s, handler in self._saved.items():
