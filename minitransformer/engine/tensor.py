@@ -320,8 +320,9 @@ def as_tensor(x, like=None):
     if like is not None:
         xp, dtype = like.xp, like.dtype
         if dtype.kind in "biu":
-            dtype = np.result_type(dtype, x if isinstance(x, (bool, int, float, complex))
-                                   else getattr(x, "dtype", None) or np.asarray(x).dtype)
+            other = (x if isinstance(x, (bool, int, float, complex)) else
+                     x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+            dtype = np.result_type(dtype, other)
         return Tensor(xp.asarray(x, dtype=dtype))
     return Tensor(x)
 
