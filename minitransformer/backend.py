@@ -73,7 +73,7 @@ def accumulation_dtype(dtype):
 def sum_in_accumulation_dtype(x, axis=None, keepdims=False):
     """``x.sum(axis, keepdims)`` added up in ``accumulation_dtype`` (float32 for float16)
     and returned in x's dtype: the same call as x.sum for float32 and float64."""
-    acc = accumulation_dtype(x.dtype) if x.dtype.kind == "f" else x.dtype
+    acc = accumulation_dtype(x.dtype)
     if acc == x.dtype:
         return x.sum(axis=axis, keepdims=keepdims)
     return x.sum(axis=axis, keepdims=keepdims, dtype=acc).astype(x.dtype)

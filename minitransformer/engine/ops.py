@@ -385,8 +385,8 @@ def matmul(a, b): return MatMul.apply(*_pair(a, b))
 
 
 def index(x, idx):
-    """x[idx] with its gradient; Tensors in idx are taken as their arrays."""
-    xp = x.xp if isinstance(x, Tensor) else _xp(x)
+    """x[idx] (x a Tensor) with its gradient; Tensors in idx are taken as their arrays."""
+    xp = x.xp
 
     def own(i):  # (index arrays on x's device: CuPy's scatter-add takes its own arrays)
         i = i.data if isinstance(i, Tensor) else i

@@ -13,7 +13,7 @@ def atomic_write(path, write):
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
     except OSError as exc:  # (the error names the temporary; a directory gone: said)
-        raise _named(exc, path, directory) from exc
+        raise naming(exc, path) from exc
     try:
         try:
             os.fchmod(fd, 0o666 & ~umask())
@@ -28,14 +28,16 @@ def atomic_write(path, write):
     except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(exc, OSError):  # (a failed write or fsync names no file)
-            raise _named(exc, path, directory) from exc
+        if isinstance(exc, OSError) and (exc.filename is None or not os.path.isdir(directory)):
+            raise naming(exc, path) from exc  # (a failed write or fsync names no file)
         raise
 
 
-def _named(exc, path, directory):
-    """An OSError from writing ``path`` through a temporary, as one naming ``path`` (and
-    saying so when its directory is gone), for the one-line message."""
+def naming(exc, path):
+    """``exc``, an OSError from writing ``path`` (through a temporary, or an open file: it
+    names another file or none), as one naming ``path``, and saying so when its directory is
+    gone, for the one-line message (``describe_os_error``)."""
+    directory = os.path.dirname(os.path.abspath(path))
     what = exc.strerror or str(exc)
     if not os.path.isdir(directory):
         what = f"the directory {directory} was removed ({what})"

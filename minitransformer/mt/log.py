@@ -6,11 +6,7 @@ import signal
 import sys
 import time
 
-
-def named(exc, path):
-    """``exc``, an OSError from writing to an open file (which carries no file name), as one
-    that names ``path``, for the one-line message (fileio.describe_os_error)."""
-    return exc if exc.filename is not None else OSError(exc.errno, exc.strerror, path)
+from .fileio import naming
 
 
 class Log:
@@ -81,7 +77,7 @@ class Log:
                 self.file.write(json.dumps(record) + "\n")
                 self.file.flush()
             except OSError as exc:  # (a full disk: the error names the file)
-                raise named(exc, self.path) from exc
+                raise naming(exc, self.path) from exc
 
     def info(self, text):
         if not self.enabled:

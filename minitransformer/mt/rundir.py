@@ -119,11 +119,16 @@ class RunDir:
             return 0
         with open(self.metrics, encoding="utf-8") as fh:
             lines = fh.readlines()
-        keep = [line for line in lines if _record_update(line) <= update
-                or _recorded_by_translate(line)]  # (a score translate.py --record added)
+        records = [_record(line) for line in lines]  # (None: a line cut short)
+        keep = [line for line, rec in zip(lines, records) if rec is not None
+                and (rec.get("update", 0) <= update or "recorded_by" in rec)]
         if len(keep) != len(lines) or (keep and not keep[-1].endswith("\n")):
-            atomic_write_text(self.metrics, "".join(line.rstrip("\n") + "\n" for line in keep))
+            self._rewrite_metrics(keep)
         return len(lines) - len(keep)
+
+    def _rewrite_metrics(self, lines):
+        """metrics.jsonl replaced, atomically, by ``lines`` (each ended by a newline)."""
+        atomic_write_text(self.metrics, "".join(line.rstrip("\n") + "\n" for line in lines))
 
     def add_test_record(self, record):
         """Append train.py's test ``record`` to metrics.jsonl, in place of one that scored
@@ -134,13 +139,14 @@ class RunDir:
         if os.path.exists(self.metrics):
             with open(self.metrics, encoding="utf-8") as fh:
                 lines = fh.readlines()
-        kept = [line for line in lines if not _same_test(line, record, same)]
+        kept = [line for line, rec in zip(lines, map(_record, lines))
+                if not (rec is not None and "test_bleu" in rec and "recorded_by" not in rec
+                        and all(rec.get(k) == record.get(k) for k in same))]
         if len(kept) == len(lines):
             with open(self.metrics, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
         else:
-            atomic_write_text(self.metrics, "".join(line.rstrip("\n") + "\n" for line in kept)
-                              + json.dumps(record) + "\n")
+            self._rewrite_metrics(kept + [json.dumps(record)])
 
     def set_aside_unsaved(self, corpus=False):
         """A new run starting here (no checkpoint_last.npz): move what an earlier run that
@@ -236,29 +242,13 @@ UNSAVED_RUN_FILE = re.compile(r"config\.json|metrics\.jsonl|spm\.(model|vocab)|"
                               r"checkpoint_(best|\d+)\.npz|[^/]*\.hyp")
 
 
-def _same_test(line, record, keys):
-    """Whether the metrics.jsonl ``line`` is train.py's test record of ``record``'s keys."""
+def _record(line):
+    """The record (a dict) a metrics.jsonl line holds, or None (a line cut short by a kill)."""
     try:
         rec = json.loads(line)
     except ValueError:
-        return False
-    return (isinstance(rec, dict) and "test_bleu" in rec and "recorded_by" not in rec
-            and all(rec.get(k) == record.get(k) for k in keys))
-
-
-def _recorded_by_translate(line):
-    try:
-        return "recorded_by" in json.loads(line)
-    except (ValueError, TypeError):
-        return False
-
-
-def _record_update(line):
-    """The update a metrics.jsonl line records (inf for a line that is not a whole record)."""
-    try:
-        return json.loads(line).get("update", 0)
-    except (ValueError, AttributeError):
-        return float("inf")
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
 class RunDirBusy(RuntimeError):

@@ -28,9 +28,9 @@ from . import autosize
 from .corpus_setup import CorpusSetUp
 from .resume import Resuming
 from .data import DataError, collate
-from .fileio import atomic_write_text, describe_os_error
+from .fileio import atomic_write_text, describe_os_error, naming
 from .guard import DivergenceGuard, Diverged, all_finite, first_bad_op
-from .log import ForcedStop, Log, StopSignals, named
+from .log import ForcedStop, Log, StopSignals
 from .options import (MODEL_FLAGS, PROFILE_WARMUP, check_options, fill_defaults, parse_args,
                       option_warnings, plans_to_deadline, restore_for_resume, run_options,
                       sizes_itself)
@@ -199,8 +199,7 @@ class Trainer(CorpusSetUp, Resuming):
         self.update, self.best_bleu = 0, -1.0
         self.train_time = 0.0
         self.guard = DivergenceGuard(a.max_bad_updates)  # float32 (float16: the scaler)
-        self.saved_update = None  # the update of the newest checkpoint
-        self.last_saved = None  # the update checkpoint_last.npz holds (this process's saves)
+        self.saved_update = None  # the update checkpoint_last.npz holds, once written
         # a signal stopped the run right after update ``self.update``, before the validation
         # and checkpoints due after it: --resume does them first (``_loop``)
         self.catch_up = False
@@ -221,7 +220,7 @@ class Trainer(CorpusSetUp, Resuming):
                                      else WARMUP_SHARE, average_last=a.average_last)
         if a.resume:
             self._load(self.rd.last)
-            self.saved_update = self.last_saved = self.update
+            self.saved_update = self.update
             if self.main and not self.best_due:  # (a run put back to an older checkpoint:
                 self.best_bleu = max(self.best_bleu, self.best_held())  # best only improves)
             if self.main and not a.profile:  # the log lines after the checkpoint come again
@@ -270,12 +269,11 @@ class Trainer(CorpusSetUp, Resuming):
                 if path != self.rd.last:  # (only last says a best is due: a run rolled back
                     meta.pop("best_due", None)  # to a periodic one would replace a later best)
                 ckpt.save_checkpoint(path, self.model, self.optim, meta)
-                if path == self.rd.last:  # (written: what a forced stop can resume from)
-                    self.last_saved = self.update
             if self._config_to_save is not None and self.rd.last in paths:
                 self.rd.write_config(*self._config_to_save)  # (the options it now runs with)
                 self._config_to_save = None
-        self.saved_update = self.update  # (on every rank, once written: for the messages)
+        if self.rd.last in paths:  # (on every rank, once written: for the messages)
+            self.saved_update = self.update
 
     # ---- training ------------------------------------------------------------------------
     def lr_at(self, update):
@@ -615,7 +613,7 @@ class Trainer(CorpusSetUp, Resuming):
                                      "test_checkpoints": what, "beam": a.beam, "alpha": a.alpha,
                                      "time": self.train_time})
         except OSError as exc:  # (a full disk: the error names the file)
-            raise named(exc, self.rd.metrics) from exc
+            raise naming(exc, self.rd.metrics) from exc
         return bleu
 
 
@@ -663,7 +661,7 @@ def main(argv=None, comm=None):
     except MemoryError:
         return _fail(out_of_memory(args, trainer), 1)
     except ForcedStop as exc:  # a second signal, while training: nothing more saved
-        saved = getattr(trainer, "last_saved", None)
+        saved = getattr(trainer, "saved_update", None)
         return _fail(f"a second {signal.Signals(exc.signum).name}: stopped at once, without "
                      f"saving; {args.run_dir} holds the run as last saved"
                      + (f" (checkpoint_last.npz at update {saved})" if saved is not None
