@@ -602,11 +602,15 @@ def test_searches_run_the_longest_sentences_first_and_answer_in_the_callers_orde
         assert search(model, src[::-1]) == both[::-1]
 
 
-def test_log_softmax_at_the_picked_columns_is_the_log_softmax_there():
-    # the normaliser's exponentials are 2 ** ((z - max) log2 e): in float32 the picked
-    # log-probabilities stay within a few roundings of the float64 log-softmax, for logits
-    # spread as a trained model's are and with a -inf entry (a forbidden token)
+@pytest.mark.parametrize("exp2", [True, False])
+def test_log_softmax_at_the_picked_columns_is_the_log_softmax_there(exp2, monkeypatch):
+    # the normaliser's exponentials, as exp or as 2 ** ((z - max) log2 e) (where NumPy's exp2
+    # is vectorised): in float32 the picked log-probabilities stay within a few roundings of
+    # the float64 log-softmax, for logits spread as a trained model's are and with a -inf
+    # entry (a forbidden token)
+    from minitransformer.mt import selection
     from minitransformer.mt.selection import log_softmax_at, top_m
+    monkeypatch.setattr(selection, "EXP2_VECTORISED", exp2)
     rng = np.random.default_rng(16)
     for scale in (1.0, 8.0, 40.0):
         z = (rng.standard_normal((6, 8000)) * scale).astype(np.float32)
@@ -619,3 +623,21 @@ def test_log_softmax_at_the_picked_columns_is_the_log_softmax_there():
         assert got.dtype == np.float32
         np.testing.assert_allclose(got, np.take_along_axis(want, cols, 1), rtol=2e-6,
                                    atol=2e-6)
+
+
+def test_exp2_is_used_only_where_numpy_vectorises_it(monkeypatch):
+    # NumPy's float32 exp2 has vector loops for AVX-512 only; on an AVX2 CPU it is a scalar
+    # loop at twice exp's cost, so the normaliser's exponentials use exp there
+    introspect = pytest.importorskip("numpy.lib.introspect")
+    from minitransformer.mt import selection
+
+    def info(current):
+        return lambda func_name, signature: {"exp2": {"ff": {
+            "current": current, "available": "X86_V4 baseline(X86_V2)"}}}
+
+    monkeypatch.setattr(introspect, "opt_func_info", info("baseline(X86_V2)"))
+    assert selection.exp2_vectorised() is False
+    monkeypatch.setattr(introspect, "opt_func_info", info("X86_V4"))
+    assert selection.exp2_vectorised() is True
+    monkeypatch.setattr(introspect, "opt_func_info", lambda func_name, signature: {})
+    assert selection.exp2_vectorised() is False

@@ -75,20 +75,42 @@ def log_softmax_at(xp, z, cols, zmax=None):
     """log_softmax(z) (engine/softmax.py) at the columns ``cols`` (R, m) of z (R, V) only:
     (z - max) - log(sum(exp(z - max))) on those entries, without writing out the other
     V - m. z is overwritten (exp(z - max)). ``zmax``: each row's largest entry (R, 1), when
-    the caller has it (one pass over z fewer). The sum is ``row_sums``'. The exponentials
-    are 2 ** ((z - max) log2(e)): NumPy's exp2 takes 0.19 ns a float32 where exp takes 0.34,
-    so with the extra multiply the whole vocabulary's exponentials cost a fifth less (each
-    one within a few float32 roundings of exp's, far below what a sum of V terms keeps)."""
+    the caller has it (one pass over z fewer). The sum is ``row_sums``'. Where NumPy's
+    float32 exp2 runs vector instructions (``EXP2_VECTORISED``), the exponentials are
+    2 ** ((z - max) log2(e)): on an AVX-512 CPU exp2 takes 0.19 ns a float32 where exp
+    takes 0.34, so with the extra multiply the whole vocabulary's exponentials cost a fifth
+    less (each one within a few float32 roundings of exp's, far below what a sum of V terms
+    keeps). Elsewhere exp2 is a scalar loop, twice exp's time (AVX2 only: 4.9 against
+    2.3 ns), and exp is used."""
     m = z.max(axis=-1, keepdims=True) if zmax is None else zmax
     picked = along_rows(xp, z, cols) - m
     z -= m
-    z *= z.dtype.type(LOG2_E)
-    xp.exp2(z, out=z)
+    if xp is np and EXP2_VECTORISED:
+        z *= z.dtype.type(LOG2_E)
+        xp.exp2(z, out=z)
+    else:
+        xp.exp(z, out=z)
     picked -= xp.log(row_sums(xp, z))
     return picked
 
 
 LOG2_E = 1.4426950408889634  # log2(e): exp(x) = 2 ** (x log2(e))
+
+
+def exp2_vectorised():
+    """Whether this NumPy runs float32 exp2 with vector instructions on this CPU: it has
+    them only for AVX-512 (where exp2 beats exp), exp for AVX2 too. NumPy 2.1 and later say
+    which of a loop's versions is in use (numpy.lib.introspect); before that, no."""
+    try:
+        from numpy.lib.introspect import opt_func_info
+    except ImportError:
+        return False
+    loops = opt_func_info(func_name="^exp2$", signature="float32").get("exp2", {})
+    return any(not str(v.get("current", "baseline")).startswith("baseline")
+               for v in loops.values())
+
+
+EXP2_VECTORISED = exp2_vectorised()
 
 
 def row_sums(xp, z):
