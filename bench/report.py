@@ -8,6 +8,8 @@ import glob
 import json
 import os
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 TARGETS = dict(train=1.5, memory=1.0)
 # decoding, ours / torch sentences/s: twice as fast on tiny, where the per-step work outside the
@@ -456,11 +458,15 @@ METHOD = """## Method
 
 
 def write(path):
-    runs, scaling = _load(results_dir(path))
+    results = results_dir(path)
+    runs, scaling = _load(results)
+    shown = os.path.relpath(results, os.path.dirname(HERE))  # from the repository's root
+    if shown.startswith(".."):
+        shown = results
     parts = ["# Benchmark results", "",
              "Written by `python bench/bench.py` (training, decoding, memory; ours against "
              "PyTorch in the same run) and `python bench/attention_scaling.py`. Raw numbers in "
-             "`bench/results/`. Ratios are ours / torch: above 1 means ours is faster "
+             f"`{shown}/`. Ratios are ours / torch: above 1 means ours is faster "
              "(for memory, below 1 means ours uses less). The machine was shared with other "
              "jobs while measuring, so absolute numbers are noisy; the ratios come from "
              "interleaved measurements in one run.", ""]
