@@ -641,3 +641,5 @@ def test_exp2_is_used_only_where_numpy_vectorises_it(monkeypatch):
     assert selection.exp2_vectorised() is True
     monkeypatch.setattr(introspect, "opt_func_info", lambda func_name, signature: {})
     assert selection.exp2_vectorised() is False
+    monkeypatch.setattr(introspect, "opt_func_info", lambda func_name, signature: [])
+    assert selection.exp2_vectorised() is False  # an answer of another shape: exp, no error

@@ -81,7 +81,7 @@ def log_softmax_at(xp, z, cols, zmax=None):
     takes 0.34, so with the extra multiply the whole vocabulary's exponentials cost a fifth
     less (each one within a few float32 roundings of exp's, far below what a sum of V terms
     keeps). Elsewhere exp2 is a scalar loop, twice exp's time (AVX2 only: 4.9 against
-    2.3 ns), and exp is used."""
+    2.3 ns), and exp is used, as on CuPy arrays."""
     m = z.max(axis=-1, keepdims=True) if zmax is None else zmax
     picked = along_rows(xp, z, cols) - m
     z -= m
@@ -100,14 +100,15 @@ LOG2_E = 1.4426950408889634  # log2(e): exp(x) = 2 ** (x log2(e))
 def exp2_vectorised():
     """Whether this NumPy runs float32 exp2 with vector instructions on this CPU: it has
     them only for AVX-512 (where exp2 beats exp), exp for AVX2 too. NumPy 2.1 and later say
-    which of a loop's versions is in use (numpy.lib.introspect); before that, no."""
+    which of a loop's versions is in use (numpy.lib.introspect); where it cannot say, no
+    (exp, never slower than a scalar exp2)."""
     try:
         from numpy.lib.introspect import opt_func_info
-    except ImportError:
+        loops = opt_func_info(func_name="^exp2$", signature="float32").get("exp2", {})
+        return any(not str(v.get("current", "baseline")).startswith("baseline")
+                   for v in loops.values())
+    except Exception:  # (an older NumPy, or an answer of another shape)
         return False
-    loops = opt_func_info(func_name="^exp2$", signature="float32").get("exp2", {})
-    return any(not str(v.get("current", "baseline")).startswith("baseline")
-               for v in loops.values())
 
 
 EXP2_VECTORISED = exp2_vectorised()
