@@ -460,8 +460,11 @@ METHOD = """## Method
 def write(path):
     results = results_dir(path)
     runs, scaling = _load(results)
-    shown = os.path.relpath(results, os.path.dirname(HERE))  # from the repository's root
-    if shown.startswith(".."):
+    try:  # from the repository's root, when it is inside it
+        shown = os.path.relpath(results, os.path.dirname(HERE))
+    except ValueError:  # (another drive)
+        shown = results
+    if shown == os.pardir or shown.startswith(os.pardir + os.sep):
         shown = results
     parts = ["# Benchmark results", "",
              "Written by `python bench/bench.py` (training, decoding, memory; ours against "

@@ -619,8 +619,13 @@ def test_log_softmax_at_the_picked_columns_is_the_log_softmax_there(exp2, monkey
         want = z64 - z64.max(1, keepdims=True)
         want -= np.log(np.exp(want).sum(1, keepdims=True))
         cols = top_m(np, z, 8)
-        got = log_softmax_at(np, z.copy(), cols)
+        zz = z.copy()
+        got = log_softmax_at(np, zz, cols)
         assert got.dtype == np.float32
+        # z is left holding the exponentials, computed the way the flag says
+        e = z - z.max(1, keepdims=True)
+        e = np.exp2(e * np.float32(selection.LOG2_E)) if exp2 else np.exp(e)
+        np.testing.assert_array_equal(zz, e)
         np.testing.assert_allclose(got, np.take_along_axis(want, cols, 1), rtol=2e-6,
                                    atol=2e-6)
 
@@ -639,7 +644,24 @@ def test_exp2_is_used_only_where_numpy_vectorises_it(monkeypatch):
     assert selection.exp2_vectorised() is False
     monkeypatch.setattr(introspect, "opt_func_info", info("X86_V4"))
     assert selection.exp2_vectorised() is True
+    # a build for AVX-512 CPUs only: the baseline loop is the vectorised one
+    monkeypatch.setattr(introspect, "opt_func_info", info("baseline(X86_V2 X86_V3 X86_V4)"))
+    assert selection.exp2_vectorised() is True
     monkeypatch.setattr(introspect, "opt_func_info", lambda func_name, signature: {})
     assert selection.exp2_vectorised() is False
     monkeypatch.setattr(introspect, "opt_func_info", lambda func_name, signature: [])
     assert selection.exp2_vectorised() is False  # an answer of another shape: exp, no error
+
+
+@pytest.mark.parametrize("avx512", [True, False])
+def test_before_numpy_2_exp2_is_used_where_the_cpu_has_avx512(avx512, monkeypatch):
+    # NumPy 1.x has no numpy.lib.introspect; its exp2 has AVX-512 loops only, so the CPU
+    # features it found decide
+    import sys
+    import types
+
+    from minitransformer.mt import selection
+    monkeypatch.setitem(sys.modules, "numpy.lib.introspect", None)  # (import fails)
+    monkeypatch.setitem(sys.modules, "numpy.core._multiarray_umath", types.SimpleNamespace(
+        __cpu_features__={"AVX2": True, "AVX512_SKX": avx512}))
+    assert selection.exp2_vectorised() is avx512

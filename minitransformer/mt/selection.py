@@ -99,16 +99,25 @@ LOG2_E = 1.4426950408889634  # log2(e): exp(x) = 2 ** (x log2(e))
 
 def exp2_vectorised():
     """Whether this NumPy runs float32 exp2 with vector instructions on this CPU: it has
-    them only for AVX-512 (where exp2 beats exp), exp for AVX2 too. NumPy 2.1 and later say
-    which of a loop's versions is in use (numpy.lib.introspect); where it cannot say, no
-    (exp, never slower than a scalar exp2)."""
+    them only for AVX-512 (where exp2 beats exp), exp for AVX2 too. NumPy 2.0 and later say
+    which of a loop's versions is in use (numpy.lib.introspect: a dispatched one, or the
+    baseline, which is AVX-512 itself in a build for such CPUs only); older ones which CPU
+    features they found. Where neither answers, no (exp, never slower than a scalar exp2)."""
     try:
         from numpy.lib.introspect import opt_func_info
+    except ImportError:  # NumPy 1.x: its exp2 has AVX-512 loops only
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__
+            return bool(__cpu_features__.get("AVX512_SKX"))
+        except Exception:
+            return False
+    try:
         loops = opt_func_info(func_name="^exp2$", signature="float32").get("exp2", {})
-        return any(not str(v.get("current", "baseline")).startswith("baseline")
-                   for v in loops.values())
-    except Exception:  # (an older NumPy, or an answer of another shape)
+        current = [str(v.get("current", "baseline")) for v in loops.values()]
+    except Exception:  # (an answer of another shape)
         return False
+    return any(not c.startswith("baseline") or "AVX512" in c or "X86_V4" in c
+               for c in current)
 
 
 EXP2_VECTORISED = exp2_vectorised()
