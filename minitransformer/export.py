@@ -126,6 +126,7 @@ def export_ctranslate2(run_dir: Union[str, os.PathLike], output: Union[str, os.P
     model, tok, what = _load(run_dir, checkpoints)
     spec = model_spec(model, tok, ct2)
     info = {"exported_from": os.path.abspath(run_dir), "checkpoint": what,
+            "checkpoints": [os.path.abspath(p) for p in checkpoints],  # (averaged if several)
             "quantization": quantization or "float32", "config": _config_dict(model.cfg),
             "pad_token": tok.id_to_piece(model.cfg.pad_id),
             "bos_token": tok.id_to_piece(model.cfg.bos_id)}
@@ -271,12 +272,8 @@ def _load(run_dir, checkpoints):
 def _peek_config(path):
     """The model config stored in checkpoint ``path``, reading only its meta entry ({} when it
     cannot be read: load_model then says what is wrong with the file)."""
-    import numpy as np
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            config = json.loads(str(z["meta"])).get("config")
-    except Exception:  # any damage: load_model reports it
-        return {}
+    from .mt.checkpoint import peek_meta
+    config = peek_meta(path).get("config")
     return config if isinstance(config, dict) else {}
 
 

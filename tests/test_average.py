@@ -85,3 +85,21 @@ def test_force_replaces_an_earlier_average_and_last_must_be_positive(run, capsys
                           str(run / "x.npz")])
         assert info.value.code == 2 and "--last: must be an integer >= 1" in \
             capsys.readouterr().err
+
+
+def test_checkpoints_of_different_vocabularies_are_not_averaged(tmp_path):
+    # the same model shapes trained with other sentencepiece models: other words, so their
+    # mean is no model at all; a checkpoint that does not record its vocabulary averages with
+    # any, and the average carries the vocabulary the others record
+    paths = []
+    for seed, sha in ((1, None), (2, "a" * 64), (3, "a" * 64), (4, "b" * 64)):
+        paths.append(str(tmp_path / f"c{seed}.npz"))
+        ckpt.save_checkpoint(paths[-1], Transformer(CFG, seed=seed), None,
+                             {} if sha is None else {"spm_sha256": sha})
+    _, meta = ckpt.average_checkpoints(paths[:3])
+    assert meta["spm_sha256"] == "a" * 64
+    for order in (paths, [paths[3], paths[0], paths[1]]):
+        with pytest.raises(ckpt.CheckpointError, match="different sentencepiece vocabularies") \
+                as info:
+            ckpt.average_checkpoints(order)
+        assert paths[1] in str(info.value) and paths[3] in str(info.value)

@@ -220,3 +220,35 @@ def test_translate_py_record_appends_the_score_for_the_budget_plot(runs, tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and "--record" in err and "--reference" in err, err
     assert (a / "metrics.jsonl").read_text(encoding="utf-8") == after_a
+
+
+def test_translate_py_record_of_picked_checkpoints_is_at_the_newest_ones_update(runs, tmp_path,
+                                                                                 capsys):
+    """--record with --checkpoint: the score is recorded at the update and training time at
+    which the newest checkpoint picked was saved (what its meta says), not at the run's end."""
+    import json
+    import shutil
+
+    from minitransformer.mt import plots
+    base, src, _ = runs
+    a = tmp_path / "a"
+    shutil.copytree(base / "a", a)
+    (a / "metrics.jsonl").write_text(json.dumps({"update": 120, "loss": 3.0, "time": 700.0})
+                                     + "\n", encoding="utf-8")
+    params, _, meta = ckpt.load_checkpoint(str(a / "checkpoint_last.npz"), optimizer=False)
+    model = Transformer(TransformerConfig.from_dict(meta["config"]))
+    model.load_state_dict(params)
+    for update, seconds in ((40, 250.0), (80, 500.0)):
+        ckpt.save_checkpoint(str(a / f"checkpoint_{update}.npz"), model, None,
+                             {**meta, "update": update, "train_time": seconds})
+    ref = tmp_path / "ref.txt"
+    ref.write_text(open(src, encoding="utf-8").read(), encoding="utf-8")
+    for picked, update, seconds in ((["checkpoint_40.npz"], 40, 250.0),
+                                    (["checkpoint_80.npz", "checkpoint_40.npz"], 80, 500.0),
+                                    (["checkpoint_last.npz"], 120, 700.0)):  # (no update kept)
+        assert translate_cli.main(["--run-dir", str(a), "--input", src, "--reference", str(ref),
+                                   "--workers", "1", "--record", "--checkpoint",
+                                   *(str(a / p) for p in picked)]) == 0, capsys.readouterr().err
+        capsys.readouterr()
+        test = plots.read_test(str(a / "metrics.jsonl"))
+        assert (test["update"], test["time"]) == (update, seconds), (picked, test)

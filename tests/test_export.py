@@ -406,7 +406,10 @@ def test_average_last_exports_the_average(trained, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: --average-last 5" in err and "has 3 periodic checkpoint(s)" in err, err
     with open(os.path.join(more, export.INFO_FILE), encoding="utf-8") as f:
-        assert json.load(f)["checkpoint"] == "average of 3 checkpoints"
+        info = json.load(f)
+    assert info["checkpoint"] == "average of 3 checkpoints"
+    assert info["checkpoints"] == [os.path.abspath(p)
+                                   for _, p in ckpt.periodic_checkpoints(run)]
     # with --checkpoint as well: the average is what is used, and a warning says so
     export.export_ctranslate2(run, tmp_path / "both", os.path.join(run, "checkpoint_last.npz"),
                               average_last=3)

@@ -51,6 +51,12 @@ def env(tmp_path_factory):
     np.savez(d / "no_config.npz", meta=np.array(json.dumps(meta)))
     np.savez(d / "no_params.npz", meta=np.array(json.dumps({**meta, "config": vars(cfg)})))
     files.update({k: str(d / f"{k}.npz") for k in ("no_config", "no_params")})
+    # the run's model, and one of the same shapes trained with another vocabulary
+    put("good.npz", good)
+    from minitransformer.nn.transformer import Transformer
+    ckpt.save_checkpoint(str(d / "foreign.npz"), Transformer(cfg, seed=5), None,
+                         {"spm_sha256": "0" * 64})
+    files["foreign.npz"] = str(d / "foreign.npz")
     corrupt = bytearray(good)
     corrupt[len(good) // 3:len(good) // 3 + 64] = b"\0" * 64  # inside the first array's data
     put("corrupt.npz", bytes(corrupt))
@@ -131,6 +137,12 @@ CASES = [
     ("checkpoint-without-parameters", ["--checkpoint", "{no_params}"], 2,
      ["no_params.npz", "parameters"]),
     ("checkpoint-missing", ["--checkpoint", "{missing}"], 2, ["--checkpoint", "{missing}"]),
+    ("checkpoint-of-another-vocabulary", ["--checkpoint", "{foreign.npz}"], 2,
+     ["foreign.npz", "another sentencepiece vocabulary"]),
+    ("averaged-with-another-vocabulary", ["--checkpoint", "{good.npz}", "{foreign.npz}"], 2,
+     ["foreign.npz", "good.npz", "different sentencepiece vocabularies"]),
+    ("averaged-after-another-vocabulary", ["--checkpoint", "{foreign.npz}", "{good.npz}"], 2,
+     ["foreign.npz", "good.npz", "different sentencepiece vocabularies"]),
     ("checkpoint-is-a-directory", ["--checkpoint", "{dir}"], 2, ["--checkpoint", "not a file"]),
     ("average-last-without-periodic", ["--average-last", "2"], 2,
      ["--average-last", "checkpoint_<update>.npz"]),

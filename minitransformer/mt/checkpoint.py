@@ -86,6 +86,17 @@ def load_checkpoint(path, optimizer=True):
     return params, optim, meta
 
 
+def peek_meta(path):
+    """The meta dict of checkpoint ``path``, reading only that entry; {} when it cannot be
+    read (loading the checkpoint then says what is wrong with the file)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+    except Exception:  # any damage, or not a checkpoint
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def check_compatible(path, meta, cfg):
     """Raise CheckpointError when the checkpoint's model config differs from ``cfg`` (its
     vocabulary is checked by RunDir.check_vocabulary)."""
@@ -114,10 +125,13 @@ def prune_checkpoints(run_dir, keep_last):
 
 
 def average_checkpoints(paths):
-    """Element-wise mean of the parameters of several checkpoints (§6.1) -> (params, meta)."""
+    """Element-wise mean of the parameters of several checkpoints (§6.1) -> (params, meta):
+    the first one's meta, with the sentencepiece vocabulary's hash (``spm_sha256``) that any
+    of them records. Checkpoints of different models, or trained with different
+    vocabularies (the same shapes, other words), are refused."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    total, meta0 = None, None
+    total, meta0, vocab = None, None, None
     for p in paths:
         params, _, meta = load_checkpoint(p, optimizer=False)
         if total is None:
@@ -127,4 +141,11 @@ def average_checkpoints(paths):
                 raise CheckpointError(f"cannot average {p} with {paths[0]}: different models")
             for k, v in params.items():
                 total[k] += v
+        sha = meta.get("spm_sha256")  # (None: a checkpoint that does not record it)
+        if sha is not None and vocab is not None and sha != vocab[1]:
+            raise CheckpointError(f"cannot average {p} with {vocab[0]}: they were trained "
+                                  "with different sentencepiece vocabularies")
+        vocab = vocab or (None if sha is None else (p, sha))
+    if vocab is not None:
+        meta0 = {**meta0, "spm_sha256": vocab[1]}
     return {k: (v / len(paths)).astype(np.float32) for k, v in total.items()}, meta0

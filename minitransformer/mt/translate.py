@@ -80,7 +80,8 @@ def build_parser():
                         "as a test record (what train.py writes at the end of a run), which "
                         "`python -m minitransformer.mt.plots --runs` draws against minutes of "
                         "training; with --ensemble, the ensemble's score, at the minutes of "
-                        "its longest-trained run")
+                        "its longest-trained run; with --checkpoint, at the update and "
+                        "minutes of the newest checkpoint picked")
     p.add_argument("--plot-attention", metavar="DIR",
                    help="write attention heatmaps (every layer and head) for the input "
                         "sentences into DIR (needs matplotlib: pip install -e .[plot])")
@@ -286,8 +287,11 @@ def translate(args):
 
 
 def _training_seconds(args):
-    """-> ([each run's training seconds], --run-dir's last update), from the runs'
-    metrics.jsonl; UsageError naming --record when a run has none."""
+    """-> ([each run's training seconds], --run-dir's update), from the runs' metrics.jsonl:
+    the last update and its time, as train.py records its test; for checkpoints picked with
+    --checkpoint, those of the newest one picked (its meta says when it was saved), so a
+    score of an earlier checkpoint is drawn at its own time. UsageError naming --record
+    when a run has no record of time."""
     from .plots import PlotError, _records
     seconds, last_update = [], None
     for run in [args.run_dir, *(getattr(args, "ensemble", None) or ())]:
@@ -302,6 +306,11 @@ def _training_seconds(args):
         seconds.append(max(rec["time"] for rec in timed))
         if last_update is None:
             last_update = max(rec["update"] for rec in timed)
+    picked = [] if args.average_last else [ckpt.peek_meta(p) for p in args.checkpoint or ()]
+    if picked and all(isinstance(m.get("update"), int) and
+                      isinstance(m.get("train_time"), (int, float)) for m in picked):
+        newest = max(picked, key=lambda m: m["update"])
+        seconds[0], last_update = float(newest["train_time"]), newest["update"]
     return seconds, last_update
 
 
