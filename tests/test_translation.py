@@ -144,6 +144,43 @@ def test_workers_end_with_the_process_that_forked_them(tmp_path):
                 os.kill(pid, 9)
 
 
+def test_busy_workers_end_when_the_process_that_forked_them_is_killed(tmp_path):
+    """Killed (SIGKILL, as by PID or the out-of-memory killer) while its workers are in the
+    middle of a search, which reads no pipe until done (here: a search of two minutes):
+    the workers end within seconds, not after their share."""
+    script = tmp_path / "busy.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        from minitransformer.mt import translation
+        translation.translate_ids = lambda *args, **kwargs: time.sleep(120)
+        pool = translation.WorkerPool(None, 2, key=None)
+        print(*[pid for _, pid in pool.workers], flush=True)
+        pool.run([[[5, 6]], [[7, 8]]], 16, {{}})
+    """))
+    log = tmp_path / "pids.txt"
+    with open(log, "w") as f:  # (a file, not a pipe: workers left behind would hold a pipe)
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=f,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(log.read_text().split()) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        pids = [int(p) for p in log.read_text().split()]
+        time.sleep(0.5)  # (the workers are in their search)
+        assert all(_running(pid) for pid in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    try:
+        assert not any(_running(pid, seconds=10) for pid in pids)
+    finally:
+        for pid in pids:  # (left behind by a failure: end them)
+            if _running(pid):
+                os.kill(pid, 9)
+
+
 def test_a_process_forked_from_this_one_leaves_the_workers_alone(model):
     src = _sources(seed=5)
     kw = dict(beam=1, max_len_a=4, max_tokens=64)

@@ -10,6 +10,7 @@ import atexit
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 
@@ -185,8 +186,11 @@ class WorkerPool:
 
     Workers are plain forks of this process (``os.fork``), each holding only its own end of
     its pipe, so they end when this process's end closes: when it closes the pool, and when
-    it exits or is killed, however. They ignore Ctrl-C. A process forked from this one does
-    not inherit the pool (``os.register_at_fork``) and cannot end its workers.
+    it exits or is killed, however. A worker in the middle of a search reads its pipe only
+    when done, so it also watches its parent (``_end_with_parent``): killed by a signal, by
+    PID, or by the out-of-memory killer, the process leaves no worker running. Workers
+    ignore Ctrl-C. A process forked from this one does not inherit the pool
+    (``os.register_at_fork``) and cannot end its workers.
     """
 
     current = None
@@ -208,7 +212,7 @@ class WorkerPool:
                         here.close()  # (only this process may hold the other ends)
                         for conn, _ in self.workers:
                             conn.close()
-                        _worker(there, model, threads)
+                        _worker(there, model, threads, self.pid)
                     except BaseException:
                         code = 1
                     finally:
@@ -318,11 +322,24 @@ os.register_at_fork(after_in_child=_forget_pool_in_child)
 atexit.register(lambda: WorkerPool.current is not None and WorkerPool.current.close())
 
 
-def _worker(conn, model, threads):
-    """A worker process: for each (id lists, max_tokens, search options) received, translate
-    with ``threads`` BLAS threads and send back (True, outputs), or (False, the exception);
-    ends when the pipe closes."""
+def _end_with_parent(parent, every=0.5):
+    """In a worker: a daemon thread that ends this process once ``parent`` (the pid that
+    forked it) is gone, i.e. once this process has another parent (``os.getppid``: the
+    orphan is handed to init or a subreaper). Checked every ``every`` seconds: about 1 us."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
+def _worker(conn, model, threads, parent):
+    """A worker process forked by ``parent``: for each (id lists, max_tokens, search
+    options) received, translate with ``threads`` BLAS threads and send back (True,
+    outputs), or (False, the exception); ends when the pipe closes or the parent is gone."""
     import threadpoolctl
+    _end_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threadpoolctl.threadpool_limits(threads, user_api="blas")
     while True:
