@@ -50,6 +50,15 @@ def default_device():
     return SETTINGS.device
 
 
+def chosen_device(flag):
+    """-> (device, how a message names where it came from) for a command line's --device
+    value ``flag`` (None when not given): the flag's, else MINITRANSFORMER_DEVICE's."""
+    if flag:
+        return flag, f"--device {flag}"
+    device = default_device()
+    return device, f"MINITRANSFORMER_DEVICE={device} (the default of --device)"
+
+
 def get_array_module(*arrays):
     """numpy or cupy, whichever owns the arrays (numpy for scalars and None)."""
     if _cupy is not None:

@@ -318,6 +318,11 @@ def test_cuda_without_a_gpu_is_one_line(tmp_path):
         pytest.skip("a GPU is here")
     proc = train(*SMALL, "--device", "cuda", "--run-dir", str(tmp_path / "run"))
     clean_failure(proc, 2, "--device cuda", "CuPy")
+    # the device from the environment: the message names the variable, not a flag not given
+    proc = train(*SMALL, "--run-dir", str(tmp_path / "run"),
+                 env={**os.environ, "MINITRANSFORMER_DEVICE": "cuda"})
+    clean_failure(proc, 2, "error: MINITRANSFORMER_DEVICE=cuda (the default of --device): ",
+                  "CuPy")
 
 
 def test_float16_on_the_cpu_is_refused(tmp_path):

@@ -190,6 +190,13 @@ def test_device_cuda_without_cupy(env):
     err = proc.stderr.decode()
     assert proc.returncode == 2 and "Traceback" not in err, err
     assert "--device cuda" in err and "pip install" in err, err
+    # the device from the environment: the message names the variable, not a flag not given
+    proc = translate(["--run-dir", env["run"], "--input", env["in.txt"]],
+                     env_extra={"PYTHONPATH": env["nocupy"], "MINITRANSFORMER_DEVICE": "cuda"})
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert err.startswith("error: MINITRANSFORMER_DEVICE=cuda (the default of --device): "), err
+    assert "pip install" in err, err
     assert tree_hashes(env["run"]) == before
 
 

@@ -404,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def start(args: argparse.Namespace) -> ExploreServer:
     """Check the flags, load the run and listen -> the server; UsageError for a mistake."""
-    device = args.device or backend.default_device()
-    check_device(device)
+    device, named = backend.chosen_device(args.device)
+    check_device(device, named)
     check_run_dir(args)
     model, tok, what = load_for_translation(args, device)
     explorer = Explorer(model, tok, what, beam=args.beam, alpha=args.alpha,

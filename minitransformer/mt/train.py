@@ -57,11 +57,11 @@ class Trainer(CorpusSetUp, Resuming, Checkpointing):
         self.rank = comm.rank if comm else 0
         self.world = comm.size if comm else 1
         self.main = self.rank == 0
-        device = args.device or backend.default_device()
+        device, named = backend.chosen_device(args.device)
         try:
             backend.get_xp(device)
         except (RuntimeError, ValueError) as exc:
-            raise SystemExit(f"error: --device {device}: {exc}") from None
+            raise SystemExit(f"error: {named}: {exc}") from None
         if comm is not None:  # this rank's GPU (by local rank) and NCCL, or the CPU and MPI
             device = comm.init_device(device)
         self.device = device

@@ -127,12 +127,13 @@ def load_model(run_dir, checkpoints=None, average_last=0, device="cpu"):
 
 # ----------------------------------------------------------------------------- checks
 
-def check_device(device):
-    """-> the array module for ``device``; UsageError naming --device when it cannot run."""
+def check_device(device, named=None):
+    """-> the array module for ``device``; UsageError naming where it came from (``named``,
+    from backend.chosen_device; default --device) when it cannot run."""
     try:
         return backend.get_xp(device)
     except (ValueError, RuntimeError) as exc:
-        raise UsageError(f"--device {device}: {exc}") from None
+        raise UsageError(f"{named or '--device ' + device}: {exc}") from None
 
 
 def check_run_dir(args):
@@ -264,8 +265,8 @@ def translate(args):
     if sys.stdout is None:
         raise UsageError("standard output is closed; the translations are written there: "
                          "redirect it to a file, e.g. `> out.txt`")
-    device = args.device or backend.default_device()
-    lines, refs = _check_and_read(args, device)
+    device, named = backend.chosen_device(args.device)
+    lines, refs = _check_and_read(args, device, named)
     # (--record: each run's training time, read before any work, so a run without it fails now)
     trained = _training_seconds(args) if args.record else None
     model, tok, what = load_for_translation(args, device)
@@ -341,10 +342,11 @@ def _input_name(args):
     return "<stdin>" if args.input == "-" else args.input
 
 
-def _check_and_read(args, device):
-    """Refuse an unusable device, run directory or --plot-attention directory, then read the
-    input and the reference, which must be aligned line by line. -> (lines, refs or None)."""
-    check_device(device)
+def _check_and_read(args, device, named):
+    """Refuse an unusable device (``named`` as backend.chosen_device names it), run
+    directory or --plot-attention directory, then read the input and the reference, which
+    must be aligned line by line. -> (lines, refs or None)."""
+    check_device(device, named)
     check_run_dir(args)
     if args.plot_attention:
         check_plot_dir(args.plot_attention)
@@ -387,7 +389,8 @@ def _load(path, checkpoints, args, device):
     except (ckpt.CheckpointError, DataError) as exc:
         raise UsageError(str(exc)) from None
     except (RuntimeError, ValueError) as exc:  # the device, or a config the model refuses
-        raise UsageError(f"loading {path} on --device {device}: {exc}") from None
+        raise UsageError(f"loading {path} on {backend.chosen_device(args.device)[1]}: "
+                         f"{exc}") from None
 
 
 def _truncation_warning(name, cfg):
