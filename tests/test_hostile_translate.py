@@ -200,6 +200,29 @@ def test_device_cuda_without_cupy(env):
     assert tree_hashes(env["run"]) == before
 
 
+def test_an_empty_input_is_translated_to_nothing_with_a_warning(env):
+    proc = translate(["--run-dir", env["run"], "--input", env["empty.txt"]])
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and proc.stdout == b"", err
+    assert err == f"warning: the input {env['empty.txt']} has no lines: nothing to translate\n"
+
+
+@pytest.mark.parametrize("flag", ["--input", "--reference"])
+def test_output_redirected_onto_the_input_or_reference_is_refused(env, tmp_path, flag):
+    # `translate.py --input f > f`: the shell has emptied f before translate.py starts;
+    # with `>> f` the translations would be appended to the text they translate
+    f = tmp_path / "both.txt"
+    f.write_bytes(open(env["in.txt"], "rb").read())
+    argv = ["--run-dir", env["run"], "--input", env["in.txt"], "--reference", env["ref.txt"]]
+    argv[argv.index(flag) + 1] = str(f)
+    with open(f, "ab") as out:
+        proc = translate(argv, stdout=out)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert err.startswith(f"error: {flag} {f} is also where the translations go"), err
+    assert f.read_bytes() == open(env["in.txt"], "rb").read()  # (nothing appended)
+
+
 def test_stdin_not_utf8_names_the_line(env):
     proc = translate(["--run-dir", env["run"]], stdin=b"fine\n\xff\xfe bad\n")
     err = proc.stderr.decode()

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import signal
+import stat
 import sys
 
 from .. import backend
@@ -350,6 +351,11 @@ def _check_and_read(args, device, named):
     check_run_dir(args)
     if args.plot_attention:
         check_plot_dir(args.plot_attention)
+    for flag, path in (("--input", args.input), ("--reference", args.reference)):
+        if path not in (None, "-") and _is_stdout(path):
+            raise UsageError(f"{flag} {path} is also where the translations go (standard "
+                             f"output); with `> {path}` the shell emptied it before "
+                             "translate.py started: write the translations to another file")
     lines = read_text("--input", args.input)
     refs = read_text("--reference", args.reference) if args.reference else None
     if getattr(args, "record", False):
@@ -363,7 +369,18 @@ def _check_and_read(args, device, named):
         raise UsageError(f"--reference {args.reference} has {len(refs)} lines, the input "
                          f"{_input_name(args)} has {len(lines)}; "
                          "they must be aligned line by line")
+    if not lines:
+        say(f"warning: the input {_input_name(args)} has no lines: nothing to translate")
     return lines, refs
+
+
+def _is_stdout(path):
+    """Whether ``path`` is the regular file that standard output writes to."""
+    try:
+        out, there = os.fstat(sys.stdout.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError):  # (no such file, or no real stdout)
+        return False
+    return stat.S_ISREG(out.st_mode) and (out.st_dev, out.st_ino) == (there.st_dev, there.st_ino)
 
 
 def load_for_translation(args, device):
