@@ -9,7 +9,8 @@ config.json, shared_vocabulary.json (CTranslate2's files), spm.model (the run's 
 model, to tokenize) and minitransformer.json (the export's source and model config). It is
 built in a temporary directory beside --output and renamed into place at the end, so an
 interrupted export leaves nothing half-written; an existing non-empty --output is replaced
-only with --force (and only when it holds a CTranslate2 model). The run directory is only read.
+only with --force (and only when it holds a CTranslate2 model). Nothing the run directory
+holds is changed (an --output may be made inside it).
 
 Usage (pieces in, pieces out; translate_options sets the decoding options below)::
 
@@ -369,7 +370,8 @@ def build_parser():
                        description="Convert a trained run into a CTranslate2 model directory "
                                    "(see `pydoc minitransformer.export`).")
     c.add_argument("--run-dir", required=True, help="the training run (config.json, "
-                                                    "spm.model, checkpoints); only read")
+                                                    "spm.model, checkpoints); its files are "
+                                                    "only read")
     c.add_argument("--checkpoint", nargs="+", default=None,
                    help="checkpoint file(s); several are averaged (default: the run's best, "
                         "else last)")

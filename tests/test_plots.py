@@ -122,13 +122,18 @@ def test_translate_plot_attention(run_dir, tiny, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     _, _, lines, _ = tiny
     src = tmp_path / "in.txt"
-    src.write_text(lines[0] + "\n\n", encoding="utf-8")
+    # empty lines are left out; the files are named by the input's line numbers
+    src.write_text(f"\n{lines[0]}\n\n\n{lines[1]}\n", encoding="utf-8")
     out = tmp_path / "attn"
     assert translate_cli.main(["--run-dir", str(run_dir), "--input", str(src), "--beam", "1",
                                "--max-len-a", str(MAX_LEN_A), "--plot-attention", str(out)]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 2  # translations are still printed
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 5  # translations are still printed
     assert sorted(p for p in os.listdir(out) if p.endswith(".png")) == sorted(
-        f"sent1_{k}_layer0.png" for k in ("enc-self", "dec-self", "enc-dec"))
+        f"sent{n}_{k}_layer0.png" for n in (2, 5) for k in ("enc-self", "dec-self", "enc-dec"))
+    for n, line in ((2, lines[0]), (5, lines[1])):
+        assert (out / f"sent{n}.txt").read_text(encoding="utf-8").startswith(
+            f"source: {line}\n")
 
 
 def test_translate_without_matplotlib_says_how_to_install(run_dir, tiny, tmp_path, monkeypatch,

@@ -209,7 +209,8 @@ def _run_flags(g):
                     "checkpoint or metrics (with --resume: profiles the run where it stands "
                     "and leaves its files as they are)")
     add_number(g, "--beam", int, ">= 1", default=4, help="beam size for the final test score")
-    add_number(g, "--alpha", float, ">= 0", default=0.6, help="GNMT length penalty")
+    add_number(g, "--alpha", float, ">= 0", default=0.6,
+               help="GNMT length penalty exponent for the final test score")
     add_number(g, "--average-last", int, ">= 0", default=0,
                help="score the test split with the average of the last N periodic checkpoints")
     g.add_argument("--device", default=None, help="cpu or cuda (default: $MINITRANSFORMER_DEVICE "

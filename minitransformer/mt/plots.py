@@ -260,12 +260,16 @@ def _heads_figure(maps, ylabels, xlabels, title, head_title):
     return fig
 
 
-def plot_attention(model, tokenizer, lines, out_dir, max_sentences=MAX_SENTENCES, max_len_a=50):
-    """Attention heatmaps for the first ``max_sentences`` (8) of ``lines`` -> list of PNG paths.
+def plot_attention(model, tokenizer, lines, out_dir, max_sentences=MAX_SENTENCES, max_len_a=50,
+                   numbers=None):
+    """Attention heatmaps for the first ``max_sentences`` (8) non-empty ``lines`` -> list of
+    PNG paths.
 
     Each sentence is translated greedily (``max_len_a`` as in translate.py), then its attention
-    is recorded in one teacher-forced pass. Per sentence n and layer i there are three PNGs,
-    each a grid of the H heads:
+    is recorded in one teacher-forced pass. Sentence n is ``numbers[i]`` for ``lines[i]``
+    (translate.py: its line number in the input), by default its place among the non-empty
+    lines (1, 2, ...). Per sentence n and layer i there are three PNGs, each a grid of the
+    H heads:
         sent{n}_enc-self_layer{i}.png   encoder self-attention   (source x source)
         sent{n}_dec-self_layer{i}.png   decoder self-attention   (output x output, causal)
         sent{n}_enc-dec_layer{i}.png    encoder-decoder attention (output x source)
@@ -273,16 +277,19 @@ def plot_attention(model, tokenizer, lines, out_dir, max_sentences=MAX_SENTENCES
     ("▁" starts a word). sent{n}.txt holds the sentence and its translation.
     """
     _figure(1, 1)  # fail on a missing matplotlib before translating anything
-    lines = [line for line in lines if line.strip()]
-    if not lines:
+    numbered = [(n, line) for n, line in zip(numbers or range(1, len(lines) + 1), lines)
+                if line.strip()]
+    if numbers is None:  # (the n-th non-empty line)
+        numbered = [(n, line) for n, (_, line) in enumerate(numbered, 1)]
+    if not numbered:
         raise PlotError("plot_attention: no non-empty sentence to plot")
-    if len(lines) > max_sentences:
-        print(f"plot_attention: plotting the first {max_sentences} of {len(lines)} sentences",
-              file=sys.stderr)
-        lines = lines[:max_sentences]
+    if len(numbered) > max_sentences:
+        print(f"plot_attention: plotting the first {max_sentences} of {len(numbered)} "
+              "sentences", file=sys.stderr)
+        numbered = numbered[:max_sentences]
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    for n, line in enumerate(lines, 1):
+    for n, line in numbered:
         rec = attention_maps(model, tokenizer, line, max_len_a)
         labels = {"src": rec["src_labels"], "tgt": rec["tgt_labels"]}
         text = os.path.join(out_dir, f"sent{n}.txt")

@@ -39,7 +39,8 @@ def add_search_flags(p):
     """--beam, --alpha, --length-penalty, --max-len-a: how translate.py (and the explorer)
     search."""
     add_number(p, "--beam", int, ">= 1", default=4, help="beam size; 1 = greedy")
-    add_number(p, "--alpha", float, ">= 0", default=0.6, help="GNMT length penalty exponent")
+    add_number(p, "--alpha", float, ">= 0", default=0.6,
+               help="the length penalty's exponent (in --length-penalty's formula)")
     p.add_argument("--length-penalty", default="gnmt", choices=["gnmt", "power"],
                    help="gnmt: ((5 + length) / 6) ** alpha; power: length ** alpha with "
                         "EOS counted in the length, as fairseq and CTranslate2 count it "
@@ -421,18 +422,18 @@ def _truncation_warning(name, cfg):
 
 def _plot_inputs(args, model, tok, lines):
     """--plot-attention: heatmaps of the non-empty input lines that fit the model's source
-    positions (the others are left out, and counted)."""
+    positions (the others are left out, and counted), each named by its input line number."""
     from .plots import PlotError, plot_attention
     limit = max_source_tokens(model.cfg)
-    candidates = [line for line in lines if line.strip()]
-    fits = [line for line, ids in zip(candidates, tok.encode(candidates))
-            if len(ids) <= limit]
+    candidates = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    lengths = [len(ids) for ids in tok.encode([line for _, line in candidates])]
+    fits = [c for c, length in zip(candidates, lengths) if length <= limit]
     if len(fits) < len(candidates):
         say(f"--plot-attention: leaving out {len(candidates) - len(fits)} line(s) longer "
              f"than the model's {limit} source positions")
     try:
-        written = plot_attention(model, tok, fits, args.plot_attention,
-                                 max_len_a=args.max_len_a)
+        written = plot_attention(model, tok, [line for _, line in fits], args.plot_attention,
+                                 max_len_a=args.max_len_a, numbers=[n for n, _ in fits])
     except PlotError as exc:
         raise UsageError(f"--plot-attention: {exc}") from None
     except OSError as exc:
