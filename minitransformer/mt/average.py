@@ -42,7 +42,7 @@ def average_run(run_dir, last, output, force=False):
     paths = [q for _, q in RunDir(run_dir).periodic_checkpoints()]
     if not paths:
         raise AverageError(f"--run-dir {run_dir}: no checkpoint_<update>.npz to average; "
-                           "train with --save-every")
+                           "train.py writes one at each validation, or every --save-every updates")
     _check_output(output, force)
     warning = None
     if len(paths) < last:

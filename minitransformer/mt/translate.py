@@ -183,7 +183,9 @@ def _check_one_run_dir(path, flag, args):
         found = len(rd.periodic_checkpoints())
         if not found:
             raise UsageError(f"--average-last {args.average_last}: no checkpoint_<update>.npz "
-                             f"in {path}; train with --save-every, or leave out --average-last")
+                             f"in {path} yet (train.py writes one at each validation, or "
+                             "every --save-every updates); wait for the run's first, or leave "
+                             "out --average-last")
         if found < args.average_last:
             say(f"warning: --average-last {args.average_last}: {path} has {found} periodic "
                 f"checkpoint(s) (checkpoint_<update>.npz); averaging those {found}")
