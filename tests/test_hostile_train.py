@@ -325,6 +325,25 @@ def test_cuda_without_a_gpu_is_one_line(tmp_path):
                   "CuPy")
 
 
+def test_bleu_tokenize_scores_validation_and_test_and_a_missing_tokenizer_is_one_line(
+        tmp_path):
+    run = tmp_path / "run"
+    proc = train(*SMALL[:-2], "--bleu-tokenize", "char", "--run-dir", str(run),
+                 "--max-updates", "2", "--valid-every", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    test = [r for r in records if "test_bleu" in r]
+    assert len(test) == 1 and "tok:char" in test[0]["test_signature"], records
+    assert "tok:char" in proc.stdout
+    assert json.loads((run / "config.json").read_text())["train"]["bleu_tokenize"] == "char"
+    try:
+        import MeCab  # noqa: F401
+    except ImportError:  # (sacrebleu[ja] not installed: refused before any work)
+        proc = train(*SMALL, "--bleu-tokenize", "ja-mecab", "--run-dir", str(tmp_path / "ja"))
+        clean_failure(proc, 2, "error: --bleu-tokenize ja-mecab: ", "pip install sacrebleu[ja]")
+        assert not (tmp_path / "ja" / "config.json").exists()  # (no training started)
+
+
 def test_float16_on_the_cpu_is_refused(tmp_path):
     proc = train(*SMALL, "--precision", "float16", "--run-dir", str(tmp_path / "run"))
     clean_failure(proc, 2, "--precision float16 needs a GPU")
@@ -590,7 +609,8 @@ def test_resume_from_another_directory_and_flags_that_change_the_data(tmp_path):
     with open(os.path.join(run, "config.json")) as fh:
         assert json.load(fh)["train"]["data"] == str(tmp_path / "data")  # (still absolute)
     before = digest(run)
-    for flag, value in (("--train-split", "valid"), ("--spm-type", "bpe")):
+    for flag, value in (("--train-split", "valid"), ("--spm-type", "bpe"),
+                        ("--bleu-tokenize", "char")):  # (other BLEUs: the best is not comparable)
         proc = train("--run-dir", run, "--resume", flag, value, "--max-updates", "10")
         clean_failure(proc, 2, f"{flag} '{value}' differs from the run being resumed")
     assert digest(run) == before

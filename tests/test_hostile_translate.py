@@ -223,6 +223,29 @@ def test_output_redirected_onto_the_input_or_reference_is_refused(env, tmp_path,
     assert f.read_bytes() == open(env["in.txt"], "rb").read()  # (nothing appended)
 
 
+def test_bleu_tokenize_scores_with_that_tokenization(env):
+    from minitransformer.mt.translation import corpus_bleu
+    scores = {}
+    for tokenize in ("13a", "char"):
+        proc = translate(["--run-dir", env["run"], "--input", env["in.txt"], "--reference",
+                          env["ref.txt"], "--max-len-a", "2", "--bleu-tokenize", tokenize])
+        err = proc.stderr.decode()
+        assert proc.returncode == 0 and f"tok:{tokenize}" in err, err
+        hyps = proc.stdout.decode().splitlines()
+        refs = open(env["ref.txt"], encoding="utf-8").read().splitlines()
+        scores[tokenize] = corpus_bleu(hyps, refs, tokenize)[0]
+        assert f"BLEU = {scores[tokenize]:.2f}" in err, err
+    try:
+        import MeCab  # noqa: F401
+    except ImportError:  # (sacrebleu[ja] not installed: refused before translating)
+        proc = translate(["--run-dir", env["run"], "--input", env["in.txt"], "--reference",
+                          env["ref.txt"], "--bleu-tokenize", "ja-mecab"])
+        err = proc.stderr.decode()
+        assert proc.returncode == 2 and proc.stdout == b"", err
+        assert err.startswith("error: --bleu-tokenize ja-mecab: ") and \
+            "pip install sacrebleu[ja]" in err, err
+
+
 def test_stdin_not_utf8_names_the_line(env):
     proc = translate(["--run-dir", env["run"]], stdin=b"fine\n\xff\xfe bad\n")
     err = proc.stderr.decode()

@@ -13,6 +13,7 @@ import os
 
 from ..nn.transformer import CHOICES, PRESETS, TransformerConfig
 from .ranges import add_number, check_ranges
+from .translate import UsageError, add_bleu_tokenize, check_bleu_tokenize
 
 USAGE = """train.py: train a Transformer on parallel text, the paper's recipe (§5), from the
 command line.
@@ -196,6 +197,7 @@ def _run_flags(g):
                help="validate every K updates (default 500; 200 for the synthetic corpus)")
     add_number(g, "--valid-bleu-sentences", int, ">= 0", default=500,
                help="validation BLEU on the first N sentences (greedy); 0 = all")
+    add_bleu_tokenize(g, "the validation and test BLEU")
     add_number(g, "--save-every", int, ">= 0", default=0,
                help="periodic checkpoint every K updates (default: at each validation)")
     add_number(g, "--keep-last", int, ">= 0", default=5,
@@ -278,7 +280,8 @@ def option_names():
 # ---- after parsing: resume, defaults, checks ------------------------------------------------
 RESUME_FIXED = MODEL_FLAGS + ["preset", "vocab_size", "spm_type", "data", "train_split",
                               "synthetic_pairs", "src_lang", "tgt_lang", "seed",
-                              "subword_alpha", "subword_nbest"]  # a resumed run cannot change
+                              "subword_alpha", "subword_nbest",
+                              "bleu_tokenize"]  # a resumed run cannot change
 
 
 def restore_for_resume(args, saved, run_dir):
@@ -385,6 +388,10 @@ def check_options(args):
         raise SystemExit("error: --lr-schedule linear decays to 0 at --max-updates; "
                          f"give --max-updates N with N > --warmup ({args.warmup}), or "
                          "--max-time M to plan the decay to end with the M minutes")
+    try:
+        check_bleu_tokenize(args.bleu_tokenize)
+    except UsageError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if args.subword_alpha > 0 and args.spm_type != "unigram":
         raise SystemExit(f"error: --subword-alpha samples segmentations of a unigram model; "
                          f"this run's --spm-type is {args.spm_type}: add --spm-type unigram "

@@ -336,7 +336,7 @@ class Trainer(CorpusSetUp, Resuming, Checkpointing):
         n = self.args.valid_bleu_sentences or len(vs)
         hyps = translate_lines(self.model, self.tok, vs[:n], beam=1,
                                max_tokens=self.args.max_tokens)
-        bleu, _ = corpus_bleu(hyps, vt[:n])
+        bleu, _ = corpus_bleu(hyps, vt[:n], self.args.bleu_tokenize)
         return loss_sum / max(n_tok, 1), bleu
 
     def run(self):
@@ -485,7 +485,7 @@ class Trainer(CorpusSetUp, Resuming, Checkpointing):
                   f"({self.files[split][0]}, lines "
                   f"{', '.join(str(i + 1) for i, _, _ in long[:10])}"
                   f"{' ...' if len(long) > 10 else ''})", flush=True)
-        bleu, sig = corpus_bleu(hyps, ref)
+        bleu, sig = corpus_bleu(hyps, ref, a.bleu_tokenize)
         out = self.rd.hypotheses(split)
         atomic_write_text(out, "".join(h + "\n" for h in hyps))
         print(f"test ({split}, {len(src)} sentences, {what}, beam {a.beam}, "

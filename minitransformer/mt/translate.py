@@ -26,13 +26,29 @@ from .ensemble import Ensemble
 from .ranges import add_number
 from .rundir import RunDir
 from .tokenizer import Tokenizer
-from .translation import (WorkerDied, corpus_bleu, cpu_count, max_source_tokens,
-                          translate_lines)
+from .translation import (BLEU_TOKENIZERS, WorkerDied, bleu_metric, corpus_bleu, cpu_count,
+                          max_source_tokens, translate_lines)
 
 USER_ERROR = 2     # a flag, a file or the run directory is wrong: the message says what to do
 MACHINE_ERROR = 1  # the machine could not finish: out of memory, output not writable
 INTERRUPTED = 128 + signal.SIGINT    # 130, as a shell reports a Ctrl-C
 BROKEN_PIPE = 128 + signal.SIGPIPE   # 141, as a shell reports `... | head`
+
+
+def add_bleu_tokenize(p, scored):
+    """--bleu-tokenize: sacreBLEU's tokenization for ``scored`` (what the help names)."""
+    p.add_argument("--bleu-tokenize", default="13a", choices=BLEU_TOKENIZERS,
+                   help=f"sacreBLEU's tokenization for {scored}: 13a (default; most "
+                        "languages), intl, zh (Chinese), ja-mecab or ko-mecab (Japanese, "
+                        "Korean; pip install 'sacrebleu[ja]' or 'sacrebleu[ko]'), char, none")
+
+
+def check_bleu_tokenize(tokenize):
+    """Refuse a --bleu-tokenize whose packages are missing (before any work): UsageError."""
+    try:
+        bleu_metric(tokenize)
+    except ValueError as exc:
+        raise UsageError(f"--bleu-tokenize {tokenize}: {exc}") from None
 
 
 def add_search_flags(p):
@@ -77,6 +93,7 @@ def build_parser():
                     "0 = one per core when the input fills more than one batch (default)")
     p.add_argument("--reference", help="reference file: print sacreBLEU and its signature "
                                        "to stderr")
+    add_bleu_tokenize(p, "--reference's BLEU")
     p.add_argument("--record", action="store_true",
                    help="with --reference: also append the score to --run-dir's metrics.jsonl "
                         "as a test record (what train.py writes at the end of a run), which "
@@ -284,7 +301,7 @@ def translate(args):
     if not _write_translations(hyps):
         return MACHINE_ERROR
     if refs is not None:
-        bleu, sig = corpus_bleu(hyps, refs)
+        bleu, sig = corpus_bleu(hyps, refs, args.bleu_tokenize)
         say(f"BLEU = {bleu:.2f}  ({what}, beam {args.beam})  {sig}")
         if args.record:
             _record_score(args, bleu, sig, what, *trained)
@@ -359,6 +376,8 @@ def _check_and_read(args, device, named):
             raise UsageError(f"{flag} {path} is also where the translations go (standard "
                              f"output); with `> {path}` the shell emptied it before "
                              "translate.py started: write the translations to another file")
+    if args.reference:
+        check_bleu_tokenize(args.bleu_tokenize)
     lines = read_text("--input", args.input)
     refs = read_text("--reference", args.reference) if args.reference else None
     if getattr(args, "record", False):

@@ -373,9 +373,25 @@ def translate_lines(model, tokenizer, lines, on_truncate=None, **search_options)
     return tokenizer.decode(hyps)
 
 
-def corpus_bleu(hypotheses, references):
-    """sacreBLEU corpus score (default 13a tokenization, cased) -> (score, signature)."""
+# sacreBLEU's tokenizations that need no download (--bleu-tokenize): 13a (its default, for
+# most languages), intl (Unicode punctuation and symbols), zh (Chinese characters apart),
+# ja-mecab and ko-mecab (Japanese, Korean: pip install "sacrebleu[ja]" / "sacrebleu[ko]"),
+# char (every character a token), none (the text as it is, already tokenized)
+BLEU_TOKENIZERS = ("13a", "intl", "zh", "ja-mecab", "ko-mecab", "char", "none")
+
+
+def bleu_metric(tokenize="13a"):
+    """sacreBLEU's corpus BLEU (cased) with ``tokenize`` (one of BLEU_TOKENIZERS);
+    ValueError saying what to install when that tokenizer's packages are missing."""
     import sacrebleu
-    metric = sacrebleu.metrics.BLEU()
+    try:
+        return sacrebleu.metrics.BLEU(tokenize=tokenize)
+    except (RuntimeError, ImportError) as exc:  # (ja-mecab, ko-mecab without MeCab)
+        raise ValueError(" ".join(str(exc).split())) from None
+
+
+def corpus_bleu(hypotheses, references, tokenize="13a"):
+    """sacreBLEU corpus score (``tokenize``: 13a by default, cased) -> (score, signature)."""
+    metric = bleu_metric(tokenize)
     result = metric.corpus_score(hypotheses, [references])
     return result.score, str(metric.get_signature())
