@@ -220,6 +220,18 @@ def test_translate_py_record_appends_the_score_for_the_budget_plot(runs, tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and "--record" in err and "--reference" in err, err
     assert (a / "metrics.jsonl").read_text(encoding="utf-8") == after_a
+    # a last line cut short (a run killed while writing it): cut off, and the score is a
+    # line of its own, which the plots and a --resume keep
+    with open(a / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"update": 130, "lo')
+    assert translate_cli.main(flags) == 0
+    capsys.readouterr()
+    lines = (a / "metrics.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    assert "".join(lines[:-1]) == after_a and json.loads(lines[-1])["recorded_by"]
+    assert abs(plots.read_test(str(a / "metrics.jsonl"))["test_bleu"] - bleu) < 0.005
+    from minitransformer.mt.rundir import RunDir
+    RunDir(str(a)).trim_metrics(120)
+    assert (a / "metrics.jsonl").read_text(encoding="utf-8") == "".join(lines)
 
 
 def test_translate_py_record_of_picked_checkpoints_is_at_the_newest_ones_update(runs, tmp_path,

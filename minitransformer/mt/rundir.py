@@ -130,6 +130,19 @@ class RunDir:
         """metrics.jsonl replaced, atomically, by ``lines`` (each ended by a newline)."""
         atomic_write_text(self.metrics, "".join(line.rstrip("\n") + "\n" for line in lines))
 
+    def append_record(self, record):
+        """Append ``record`` as the last line of metrics.jsonl, in place (a training run that
+        has the file open goes on appending after it). A last line cut short (a run killed
+        while writing it, or a full disk) is cut off first, as trim_metrics would on
+        --resume, so that the record is a line of its own."""
+        with open(self.metrics, "rb") as fh:
+            text = fh.read()
+        whole = text.rfind(b"\n") + 1  # (the complete lines)
+        if whole < len(text):
+            os.truncate(self.metrics, whole)
+        with open(self.metrics, "ab") as fh:  # (at the end, wherever that is by now)
+            fh.write((json.dumps(record) + "\n").encode("utf-8"))
+
     def add_test_record(self, record):
         """Append train.py's test ``record`` to metrics.jsonl, in place of one that scored
         the same checkpoints the same way (a finished run resumed to be tested again),

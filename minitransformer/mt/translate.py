@@ -12,7 +12,6 @@ With --ensemble, the models of several runs of one vocabulary decode together, e
 scored by the mean of their log-probabilities (ensemble.py).
 """
 import argparse
-import json
 import os
 import signal
 import stat
@@ -337,9 +336,9 @@ def _training_seconds(args):
 
 
 def _record_score(args, bleu, sig, what, seconds, update):
-    """--record: the score as a test record on --run-dir's metrics.jsonl (one line, appended:
-    what train.py wrote before it stays as it was); ``seconds`` and ``update`` from
-    _training_seconds."""
+    """--record: the score as a test record on --run-dir's metrics.jsonl (one line, appended
+    by RunDir.append_record: what train.py wrote before stays as it was, but for a last line
+    cut short); ``seconds`` and ``update`` from _training_seconds."""
     name = "stdin" if args.input == "-" else os.path.basename(args.input)
     record = {"update": update, "test_split": os.path.splitext(name)[0], "test_bleu": bleu,
               "test_signature": sig, "test_checkpoints": what, "beam": args.beam,
@@ -347,10 +346,10 @@ def _record_score(args, bleu, sig, what, seconds, update):
               "time": max(seconds), "recorded_by": "translate.py"}
     if len(seconds) > 1:
         record["ensemble"] = [args.run_dir, *args.ensemble]
-    path = os.path.join(args.run_dir, "metrics.jsonl")
+    rd = RunDir(args.run_dir)
+    path = rd.metrics
     try:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        rd.append_record(record)
     except OSError as exc:
         say(f"warning: --record: could not append to {path} ({exc.strerror}); the score is "
             "the line above")
