@@ -52,7 +52,7 @@ def test_the_average_of_the_newest_checkpoints(run, capsys):
 
 
 @pytest.mark.parametrize("case", ["run-checkpoint", "existing", "directory", "no-parent",
-                                  "no-periodic", "no-run"])
+                                  "no-periodic", "no-run", "run-file", "run-file-force"])
 def test_mistakes_are_one_line_and_change_nothing(run, tmp_path, capsys, case):
     (run / "avg.npz").write_bytes(b"an earlier average")
     if case == "no-periodic":
@@ -65,9 +65,14 @@ def test_mistakes_are_one_line_and_change_nothing(run, tmp_path, capsys, case):
         "no-parent": (tmp_path / "nodir" / "avg.npz", run, "does not exist"),
         "no-periodic": (run / "new.npz", run, "no checkpoint_<update>.npz to average"),
         "no-run": (tmp_path / "avg.npz", tmp_path / "typo", "--run-dir"),
+        "run-file": (run / "spm.model", run, "a .npz checkpoint; give a name ending in .npz"),
+        "run-file-force": (run / "metrics.jsonl", run, "give a name ending in .npz"),
     }[case]
+    for name in ("spm.model", "metrics.jsonl"):  # (a run's own files, not checkpoints)
+        (run / name).write_bytes(b"the run's " + name.encode())
     before = digest(run)
-    code = average.main(["--run-dir", str(run_dir), "--output", str(output)])
+    force = ["--force"] if case.endswith("-force") else []
+    code = average.main(["--run-dir", str(run_dir), "--output", str(output), *force])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and words in err, err
     assert len(err.splitlines()) == 1 and digest(run) == before

@@ -59,8 +59,13 @@ def average_run(run_dir, last, output, force=False):
 
 
 def _check_output(output, force):
-    """Refuse an --output named like a run's own checkpoint, a directory, a path in a
-    directory that does not exist, and (without --force) an existing file."""
+    """Refuse an --output whose name does not end in .npz (--force could otherwise replace
+    a run's spm.model, config.json or metrics.jsonl), one named like a run's own checkpoint,
+    a directory, a path in a directory that does not exist, and (without --force) an
+    existing file."""
+    if not output.endswith(".npz") and not os.path.isdir(output):
+        raise AverageError(f"--output {output}: an average is a .npz checkpoint; give a name "
+                           "ending in .npz, e.g. avg.npz")
     if CHECKPOINT_NAME.fullmatch(os.path.basename(output)):  # (it would be taken for one)
         raise AverageError(f"--output {output}: named like a run's own checkpoint, it would be "
                            "taken for one (an average has no optimizer state to resume from); "
