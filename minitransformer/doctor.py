@@ -3,8 +3,10 @@
 Checks NumPy's BLAS (and OPENBLAS_CORETYPE), CuPy, the GPUs, NCCL, and MPI (mpi4py and an
 mpiexec on PATH). Each line says ok, or what is missing followed by the exact fix. Nothing is
 initialised: MPI is not started and no GPU memory is touched. Exit status 0 when the CPU
-essentials are fine (GPU and MPI pieces are optional), 1 otherwise.
+essentials are fine and every MINITRANSFORMER_* switch is usable (GPU and MPI pieces are
+optional), 1 otherwise.
 """
+import argparse
 import ctypes
 import importlib.util
 import os
@@ -233,20 +235,24 @@ def check_mpi():
 def check_settings():
     """The MINITRANSFORMER_* switches whose value is not used (settings.py)."""
     from .settings import SETTINGS
-    return [("bad", problem, "train.py and translate.py refuse to start until it is fixed")
-            for problem in SETTINGS.problems]
+    return [("bad", problem, "set the variable to one of those values, or unset it; until "
+             "then train.py and translate.py refuse to start") for problem in SETTINGS.problems]
 
 
 def main(argv=None):
+    argparse.ArgumentParser(prog="python -m minitransformer.doctor",
+                            description=__doc__.split("\n\n")[0].split(": ", 1)[1]
+                            ).parse_args(argv)
     print(f"minitransformer doctor: Python {platform.python_version()} on {platform.platform()}")
     blas_ok, lines = check_blas()
-    lines += check_gpu() + check_mpi() + check_settings()
+    settings = check_settings()
+    lines += check_gpu() + check_mpi() + settings
     width = max(len(status) for status, _, _ in lines)
     for status, detail, fix in lines:
         print(f"  {status:<{width}}  {detail}")
         if fix:
             print(f"  {'':<{width}}  fix: {fix}")
-    return 0 if blas_ok else 1
+    return 0 if blas_ok and not settings else 1
 
 
 if __name__ == "__main__":

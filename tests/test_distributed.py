@@ -431,7 +431,7 @@ def test_nccl_ranks_equal_one_gpu_process_after_k_updates(tmp_path):
 
 def test_doctor_reports_each_piece_and_a_fix_for_what_is_missing(capsys):
     from minitransformer import doctor
-    assert doctor.main() in (0, 1)
+    assert doctor.main([]) in (0, 1)
     out = capsys.readouterr().out
     for piece in ("BLAS", "OPENBLAS_CORETYPE", "CuPy", "NCCL", "mpi4py", "mpiexec"):
         assert piece in out, out
@@ -454,6 +454,11 @@ def test_doctor_reports_a_broken_mpi4py_and_a_bad_switch(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "mpi4py cannot be imported (ImportError: libmpi.so.40: cannot open)" in proc.stdout
     assert "MINITRANSFORMER_FLAT_ADAM='yes' is not one of 1, 0" in proc.stdout, proc.stdout
+    assert "fix: set the variable to one of those values, or unset it" in proc.stdout
+    assert proc.returncode == 1  # (train.py would refuse to start)
+    proc = subprocess.run([sys.executable, "-m", "minitransformer.doctor", "--no-such-flag"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr
 
 
 @needs_mpi
