@@ -273,6 +273,33 @@ def test_a_request_to_another_host_name_is_403(served):
     still_serving(server, sentences)
 
 
+def test_any_loopback_address_is_this_machine_only(served):
+    # 127.0.0.0/8 and ::1 (also as an IPv4-mapped address) are this machine; other
+    # addresses and names are not: a server on 127.0.0.2 also refuses another Host
+    for host in ("127.0.0.1", "127.0.0.2", "127.255.0.9", "localhost", "LOCALHOST", "::1",
+                 "[::1]", "::ffff:127.0.0.1"):
+        assert explore.is_loopback(host), host
+    for host in ("0.0.0.0", "::", "10.0.0.1", "192.168.1.2", "attacker.example",
+                 "localhost.attacker.example", "127.0.0.1.nip.io", ""):
+        assert not explore.is_loopback(host), host
+    try:
+        other = explore.make_server(served[0].explorer, host="127.0.0.2", port=0)
+    except OSError as exc:
+        pytest.skip(f"cannot listen on 127.0.0.2 here ({exc})")
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = other.server_address[1]
+        status, out, _ = call(other, "/info", headers={"Host": f"attacker.example:{port}"})
+        assert status == 403, out
+        status, out, _ = call(other, "/info", headers={"Host": f"127.0.0.2:{port}"})
+        assert status == 200, out
+    finally:
+        other.shutdown()
+        other.server_close()
+        thread.join(10)
+
+
 @pytest.mark.parametrize("method, path, code", [
     ("GET", "/translate", 405), ("PUT", "/translate", 405), ("DELETE", "/", 405),
     ("GET", "/nope", 404), ("POST", "/nope", 404), ("POST", "/", 405),

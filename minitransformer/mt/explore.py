@@ -36,6 +36,7 @@ this machine is refused (403), so neither can a site whose name was made to poin
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import socket
@@ -68,7 +69,17 @@ ATTENTION = {  # API name -> the attention store's key (Transformer.set_attentio
 }
 DIGITS = 3            # attention weights are rounded to 3 decimals in the JSON answer
 MIN_BODY = 16 * 1024  # the largest request body accepted is at least this many bytes
-LOOPBACK = ("127.0.0.1", "localhost", "::1")  # names of this machine only
+def is_loopback(host):
+    """Whether ``host`` (a name or an address, as --host or a Host header gives it) names
+    this machine only: localhost, or a loopback address (127.0.0.0/8, ::1)."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:  # (another name)
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # (::ffff:127.0.0.1)
+    return address.is_loopback or bool(mapped and mapped.is_loopback)
 DRAIN_LIMIT = 1 << 20  # an over-long body up to this size is read and dropped before the 413
 READ_TIMEOUT = 30     # seconds a client may take to send its request
 
@@ -189,10 +200,10 @@ class Handler(BaseHTTPRequestHandler):
         machine (DNS rebinding) is same-origin with the server for its browser."""
         host = self.headers.get("Host")
         bound = self.server.server_address[0]
-        if host is None or bound not in LOOPBACK:
+        if host is None or not is_loopback(bound):
             return False
         name = urlsplit("//" + host).hostname or ""
-        if name in LOOPBACK:
+        if is_loopback(name):
             return False
         self._discard_body()
         self._fail(403, f"the request's Host is {host!r}; this server answers requests to "
@@ -428,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         say(f"error: {exc}")
         return USER_ERROR
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not is_loopback(args.host):
         say(f"warning: --host {args.host}: other machines may reach this server, which has "
              "no authentication")
     print(f"serving {server.explorer.what} at {server.url}  (Ctrl-C to stop)", flush=True)
