@@ -5,6 +5,7 @@ without it; the error paths and the attention maps themselves are tested either 
 """
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -195,6 +196,18 @@ def test_curves_errors_name_the_file(tmp_path, capsys):
     bad.write_text('{"update": 1, "loss": 2.0}\n{oops\n', encoding="utf-8")
     with pytest.raises(plots.PlotError, match=rf"{bad}, line 2: not JSON"):
         plots.read_metrics(str(bad))
+    # other damage: a byte that is not UTF-8, an update or a drawn number of another type
+    for line, words in ((b'{"update": 2, "loss": 1.5, "x": "\xff"}', "not UTF-8"),
+                        (b'{"update": null, "loss": 1.5}', "its update is None, not a whole"),
+                        (b'{"update": "3", "loss": 1.5}', "its update is '3', not a whole"),
+                        (b'{"update": 3, "loss": "1.5"}', "its loss is '1.5', not a number"),
+                        (b'{"update": 3, "valid_bleu": true}', "its valid_bleu is True")):
+        bad.write_bytes(b'{"update": 1, "loss": 2.0}\n' + line + b"\n")
+        with pytest.raises(plots.PlotError, match=rf"{bad}, line 2: {re.escape(words)}"):
+            plots.read_metrics(str(bad))
+        assert plots.main(["--metrics", str(bad), "--output", str(tmp_path / "c.png")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {bad}, line 2: ") and "damaged" in err, err
     assert plots.main(["--metrics", str(missing), "--output", str(tmp_path / "c.png")]) == 2
     assert f"error: {missing}: no such metrics file" in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists()

@@ -50,24 +50,40 @@ def _figure(width, height, layout=None):
 
 # ----------------------------------------------------------------------------- learning curves
 
+# the fields the plots draw, which must be numbers where a record has them
+NUMBERS = ("loss", "valid_loss", "valid_bleu", "test_bleu", "time")
+
+
 def _records(path):
     """The JSON records of a metrics.jsonl, in order (blank lines skipped)."""
     if not os.path.isfile(path):
         raise PlotError(f"{path}: no such metrics file (train.py writes RUN_DIR/metrics.jsonl)")
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         lines = f.readlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        damaged = (f"{path}, line {number}: {{}}; the file is damaged: remove that line (or "
+                   "restore the file)")
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines) and not line.endswith("\n"):
+            rec = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if number == len(lines) and not line.endswith(b"\n"):
                 continue  # a record cut short by a kill (train.py --resume drops it too)
-            raise PlotError(f"{path}, line {number}: not JSON ({exc.msg}); the file is "
-                            "damaged: remove that line (or restore the file)") from None
-        if isinstance(rec, dict) and "update" in rec:
-            yield rec
+            what = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"not JSON ({exc.msg})"
+            raise PlotError(damaged.format(what)) from None
+        if not isinstance(rec, dict) or "update" not in rec:
+            continue
+        if not _is_number(rec["update"], whole=True):
+            raise PlotError(damaged.format(f"its update is {rec['update']!r}, not a whole number"))
+        for key in NUMBERS:
+            if key in rec and not _is_number(rec[key]):
+                raise PlotError(damaged.format(f"its {key} is {rec[key]!r}, not a number"))
+        yield rec
+
+
+def _is_number(value, whole=False):
+    return not isinstance(value, bool) and isinstance(value, int if whole else (int, float))
 
 
 def read_metrics(path):
