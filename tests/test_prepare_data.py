@@ -100,3 +100,25 @@ def test_not_gzip_and_unreachable_server_are_clear_errors(server, tmp_path):
     dead = f"http://127.0.0.1:{port}/raw"
     with pytest.raises(prepare_data.DataError, match=rf"could not download {dead}/train\.en\.gz"):
         prepare_data.prepare_multi30k(str(tmp_path / "b"), dead, log=lambda s: None)
+
+
+def test_an_output_that_is_a_file_and_a_url_without_scheme_are_one_line(server, tmp_path,
+                                                                         capsys):
+    _, url = server
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    for output, words in ((a_file, "is a file, not a directory"),
+                          (a_file / "multi30k", f"lies under {a_file}, which is a file, not a directory")):
+        assert prepare_data.main(["multi30k", "--output", str(output), "--base-url",
+                                  url]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"error: --output {output}: {words}; give a directory (it is " \
+                               "created if need be)\n", captured.err
+        assert "downloading" not in captured.out  # (refused before any download)
+    assert a_file.read_text() == "mine\n"
+    out = tmp_path / "multi30k"
+    assert prepare_data.main(["multi30k", "--output", str(out), "--base-url",
+                              "mirror.example.org/raw"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not download mirror.example.org/raw/train.en.gz: ")
+    assert "--base-url must be a whole URL" in err and not out.exists()

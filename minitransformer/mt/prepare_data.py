@@ -58,6 +58,9 @@ def fetch(url):
                         "connection, a proxy, or --base-url)") from None
     except (OSError, http.client.HTTPException) as exc:  # timeouts, dropped connections
         raise DataError(f"could not download {url}: {exc}") from None
+    except ValueError as exc:  # (not a URL: no scheme, say)
+        raise DataError(f"could not download {url}: {exc}; --base-url must be a whole URL, "
+                        "e.g. https://host/path or file:///path") from None
 
 
 def gunzip_lines(url, data):
@@ -76,8 +79,21 @@ def gunzip_lines(url, data):
     return text, text.count(b"\n")
 
 
+def check_output(output):
+    """Refuse an ``output`` that is, or lies under, something other than a directory
+    (before anything is downloaded): DataError naming --output."""
+    path = os.path.abspath(output)
+    while not os.path.exists(path):  # (the nearest part of the path that is there)
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        where = "is" if path == os.path.abspath(output) else f"lies under {path}, which is"
+        raise DataError(f"--output {output}: {where} a file, not a directory; give a "
+                        "directory (it is created if need be)")
+
+
 def prepare_multi30k(output, base_url=MULTI30K_URL, log=print):
     """Download, check and write Multi30k Task 1 into ``output``; -> {file name: lines}."""
+    check_output(output)
     base_url = base_url.rstrip("/")
     texts, counts = {}, {}
     for split, (remote, expected) in MULTI30K_FILES.items():
@@ -93,9 +109,13 @@ def prepare_multi30k(output, base_url=MULTI30K_URL, log=print):
         if base_url == MULTI30K_URL and counts[a] != expected:
             raise DataError(f"{base_url}/{remote}.*.gz: {counts[a]} lines, expected {expected} "
                             f"at commit {MULTI30K_COMMIT} (nothing was written)")
-    os.makedirs(output, exist_ok=True)
-    for name, text in texts.items():
-        atomic_write(os.path.join(output, name), lambda f, text=text: f.write(text))
+    try:
+        os.makedirs(output, exist_ok=True)
+        for name, text in texts.items():
+            atomic_write(os.path.join(output, name), lambda f, text=text: f.write(text))
+    except OSError as exc:  # (a full disk, no permission)
+        raise DataError(f"--output {output}: cannot write {exc.filename or output} "
+                        f"({exc.strerror or exc})") from None
     return counts
 
 
