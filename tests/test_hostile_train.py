@@ -248,7 +248,13 @@ def test_resume_from_a_damaged_checkpoint(run_copy, damage):
 def test_data_directory_missing(tmp_path):
     proc = train(*SMALL, "--data", str(tmp_path / "nope"), "--src-lang", "en", "--tgt-lang", "de",
                  "--run-dir", str(tmp_path / "run"))
-    clean_failure(proc, 2, "--data", "nope")
+    clean_failure(proc, 2, f"--data {tmp_path / 'nope'}: no such directory")
+    # a file given for the directory: said so, with the directory it is in
+    (tmp_path / "train.en").write_text("a\n")
+    proc = train(*SMALL, "--data", str(tmp_path / "train.en"), "--src-lang", "en",
+                 "--tgt-lang", "de", "--run-dir", str(tmp_path / "run"))
+    clean_failure(proc, 2, f"--data {tmp_path / 'train.en'}: a file, not a directory",
+                  f"(e.g. {tmp_path})")
 
 
 def test_data_without_languages(tmp_path):

@@ -49,6 +49,10 @@ class CorpusSetUp:
                     raise DataError(f"--data {a.data} (the run's, in {self.rd.config}): no such "
                                     f"directory from {os.getcwd()}; give --data with the "
                                     "corpus's path")
+                if os.path.exists(a.data):
+                    raise DataError(f"--data {a.data}: a file, not a directory; give the "
+                                    "directory that holds train.SRC and train.TGT (e.g. "
+                                    f"{os.path.dirname(a.data) or '.'})")
                 raise DataError(f"--data {a.data}: no such directory")
             if not a.resume or "data" in a.explicit:  # (saved in config.json, absolute:
                 a.data = os.path.abspath(a.data)       # --resume finds it from anywhere)
