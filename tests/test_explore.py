@@ -482,6 +482,9 @@ def _drive_the_page(page, url, sentence, api, tmp_path):
     if os.environ.get("MINITRANSFORMER_KEEP_ARTIFACTS"):
         os.makedirs(ARTIFACTS, exist_ok=True)
         shutil.copy(shot, os.path.join(ARTIFACTS, "explore.png"))
+    # the counter counts characters as the server does: an emoji is one (two UTF-16 units)
+    page.fill("#text", "\U0001F600" * 3 + "ab")
+    assert page.text_content("#count") == f"5 / {MAX_CHARS} characters"
     page.fill("#text", "a" * (MAX_CHARS + 1))  # refused: the server's message is shown
     page.click("#translate")
     page.wait_for_selector("#error:not([hidden])")
