@@ -107,8 +107,8 @@ def test_an_output_that_is_a_file_and_a_url_without_scheme_are_one_line(server, 
     _, url = server
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine\n")
-    for output, words in ((a_file, "is a file, not a directory"),
-                          (a_file / "multi30k", f"lies under {a_file}, which is a file, not a directory")):
+    under = f"lies under {a_file}, which is a file, not a directory"
+    for output, words in ((a_file, "is a file, not a directory"), (a_file / "multi30k", under)):
         assert prepare_data.main(["multi30k", "--output", str(output), "--base-url",
                                   url]) == 2
         captured = capsys.readouterr()

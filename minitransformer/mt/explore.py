@@ -69,6 +69,10 @@ ATTENTION = {  # API name -> the attention store's key (Transformer.set_attentio
 }
 DIGITS = 3            # attention weights are rounded to 3 decimals in the JSON answer
 MIN_BODY = 16 * 1024  # the largest request body accepted is at least this many bytes
+DRAIN_LIMIT = 1 << 20  # an over-long body up to this size is read and dropped before the 413
+READ_TIMEOUT = 30     # seconds a client may take to send its request
+
+
 def is_loopback(host):
     """Whether ``host`` (a name or an address, as --host or a Host header gives it) names
     this machine only: localhost, or a loopback address (127.0.0.0/8, ::1)."""
@@ -80,8 +84,6 @@ def is_loopback(host):
         return False
     mapped = getattr(address, "ipv4_mapped", None)  # (::ffff:127.0.0.1)
     return address.is_loopback or bool(mapped and mapped.is_loopback)
-DRAIN_LIMIT = 1 << 20  # an over-long body up to this size is read and dropped before the 413
-READ_TIMEOUT = 30     # seconds a client may take to send its request
 
 
 class RequestError(Exception):
