@@ -10,7 +10,8 @@ order and contracted multiply-adds.
                                                 step: + bias, + residual, layernorm.py
     bias_relu_                                  a decoding step's x W_1 + b_1, then ReLU
     masked_softmax_                             attention.py (bias, softmax, masked rows)
-    dropout_residual                            ops.py Dropout, then the residual add
+    dropout_residual                            residual.py (DropoutResidual: dropout, then
+                                                the residual add)
     smoothed_ce_chunk                           linear_cross_entropy.py, one chunk of rows
     top_m_log_softmax                           mt/selection.py top_m + log_softmax_at
     decode_attention                            attention.py on one query a row (a decoding

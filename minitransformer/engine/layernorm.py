@@ -6,7 +6,7 @@ Forward, over the last axis of size D:
 Backward (closed form; dxh = dy * gamma is the gradient reaching x_hat):
     dx = rstd * (dxh - mean(dxh) - x_hat * mean(dxh * x_hat))
     dgamma = sum over rows of dy * x_hat,  dbeta = sum over rows of dy
-Saves x_hat and rstd, nothing else.
+Saves x_hat, rstd and gamma (a parameter: no extra memory), nothing else.
 With float16 x (mixed precision) the statistics and both passes run in float32
 (``backend.accumulation_dtype``); y and dx come back in float16, and gamma, beta and their
 gradients keep their own dtype (float32 master weights).

@@ -321,7 +321,8 @@ class Embedding(Function):
     """y[n] = W[ids[n]] for integer ids (...,) and table W (V, D) -> (..., D).
 
     dW = scatter-add of dy rows into the rows named by ids (repeats summed); the padding
-    row receives no gradient, so it stays as initialised. ids get no gradient.
+    row receives none from the look-up (with shared embeddings the pre-softmax projection,
+    whose padding class has a probability, still trains that row). ids get no gradient.
     """
     options = {"pad_id": None}
 
@@ -448,6 +449,7 @@ def dropout_active(rate, training):
 
 
 def embedding(ids, weight, pad_id=None):
-    """Rows of ``weight`` (V, D) for integer ``ids``; padding row gets no gradient."""
+    """Rows of ``weight`` (V, D) for integer ``ids``; the padding row gets no gradient from
+    the look-up."""
     ids = ids.data if isinstance(ids, Tensor) else ids
     return Embedding.apply(Tensor(ids), weight, pad_id=pad_id)

@@ -19,7 +19,7 @@ def _contents(v):
 class Module:
     """Base class. Parameters are Tensor attributes with requires_grad=True; submodules are
     Module attributes. Both may also sit in a list, tuple or dict attribute (its items named
-    by index or key). Names are dotted paths ('encoder.layers.0.ff.w1').
+    by index or key). Names are dotted paths ('encoder.0.ff.w1.weight').
     """
     training = True
 
