@@ -255,12 +255,18 @@ def test_translate_py_record_of_picked_checkpoints_is_at_the_newest_ones_update(
                              {**meta, "update": update, "train_time": seconds})
     ref = tmp_path / "ref.txt"
     ref.write_text(open(src, encoding="utf-8").read(), encoding="utf-8")
+    # the best checkpoint (saved at update 40 here) is the run's choice after all its
+    # validations: at the run's end, as when translate.py picks it itself
+    ckpt.save_checkpoint(str(a / "checkpoint_best.npz"), model, None,
+                         {**meta, "update": 40, "train_time": 250.0})
     for picked, update, seconds in ((["checkpoint_40.npz"], 40, 250.0),
                                     (["checkpoint_80.npz", "checkpoint_40.npz"], 80, 500.0),
-                                    (["checkpoint_last.npz"], 120, 700.0)):  # (no update kept)
+                                    (["checkpoint_last.npz"], 120, 700.0),  # (no update kept)
+                                    (["checkpoint_best.npz"], 120, 700.0), ([], 120, 700.0)):
+        flags = ["--checkpoint", *(str(a / p) for p in picked)] if picked else []
         assert translate_cli.main(["--run-dir", str(a), "--input", src, "--reference", str(ref),
-                                   "--workers", "1", "--record", "--checkpoint",
-                                   *(str(a / p) for p in picked)]) == 0, capsys.readouterr().err
+                                   "--workers", "1", "--record", *flags]) == 0, \
+            capsys.readouterr().err
         capsys.readouterr()
         test = plots.read_test(str(a / "metrics.jsonl"))
         assert (test["update"], test["time"]) == (update, seconds), (picked, test)

@@ -104,6 +104,25 @@ def test_trim_metrics_keeps_the_scores_translate_py_recorded(tmp_path):
         assert [json.loads(line) for line in fh] == [records[0], records[2]]
 
 
+def test_append_record_puts_the_record_on_a_line_of_its_own(tmp_path):
+    """A last line without its newline: a whole record (an edited file) is kept and ended,
+    one cut short by a kill is cut off; either way the new record is a line of its own."""
+    rd = RunDir(tmp_path)
+    new = {"update": 9, "test_bleu": 1.0, "recorded_by": "translate.py"}
+    for before, kept in (('{"update": 4, "loss": 1.0}\n', [{"update": 4, "loss": 1.0}]),
+                         ('{"update": 4, "loss": 1.0}', [{"update": 4, "loss": 1.0}]),
+                         ('{"update": 4, "loss": 1.0}\n{"update": 5, "lo',
+                          [{"update": 4, "loss": 1.0}]),
+                         ('{"upd', []), ("", [])):
+        with open(rd.metrics, "w") as fh:
+            fh.write(before)
+        rd.append_record(new)
+        with open(rd.metrics) as fh:
+            text = fh.read()
+        assert text.endswith("\n") and [json.loads(line) for line in text.splitlines()] == \
+            kept + [new], (before, text)
+
+
 def test_a_test_scored_again_the_same_way_replaces_its_record(tmp_path):
     """A finished run resumed to be tested again (same update, split, checkpoints, beam and
     alpha): one record (each resume appended another); scored another way: a new one."""

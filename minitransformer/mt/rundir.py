@@ -132,15 +132,19 @@ class RunDir:
 
     def append_record(self, record):
         """Append ``record`` as the last line of metrics.jsonl, in place (a training run that
-        has the file open goes on appending after it). A last line cut short (a run killed
-        while writing it, or a full disk) is cut off first, as trim_metrics would on
-        --resume, so that the record is a line of its own."""
-        with open(self.metrics, "rb") as fh:
+        has the file open goes on appending after it), so that it is a line of its own: a
+        last line without its newline gets one when it is a whole record (an edited file),
+        and is cut off when it was cut short (a run killed while writing it, or a full
+        disk), as trim_metrics would on --resume. One open file throughout."""
+        with open(self.metrics, "a+b") as fh:  # (every write at the end, wherever that is)
+            fh.seek(0)
             text = fh.read()
-        whole = text.rfind(b"\n") + 1  # (the complete lines)
-        if whole < len(text):
-            os.truncate(self.metrics, whole)
-        with open(self.metrics, "ab") as fh:  # (at the end, wherever that is by now)
+            whole = text.rfind(b"\n") + 1  # (the complete lines)
+            if whole < len(text):
+                if _record(text[whole:].decode("utf-8", "replace")) is None:
+                    fh.truncate(whole)
+                else:
+                    fh.write(b"\n")
             fh.write((json.dumps(record) + "\n").encode("utf-8"))
 
     def add_test_record(self, record):

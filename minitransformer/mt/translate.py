@@ -98,8 +98,8 @@ def build_parser():
                         "as a test record (what train.py writes at the end of a run), which "
                         "`python -m minitransformer.mt.plots --runs` draws against minutes of "
                         "training; with --ensemble, the ensemble's score, at the minutes of "
-                        "its longest-trained run; with --checkpoint, at the update and "
-                        "minutes of the newest checkpoint picked")
+                        "its longest-trained run; with periodic checkpoints given to "
+                        "--checkpoint, at the update and minutes of the newest one")
     p.add_argument("--plot-attention", metavar="DIR",
                    help="write attention heatmaps (every layer and head) for the input "
                         "sentences into DIR (needs matplotlib: pip install -e .[plot])")
@@ -311,8 +311,9 @@ def _training_seconds(args):
     """-> ([each run's training seconds], --run-dir's update), from the runs' metrics.jsonl:
     the last update and its time, as train.py records its test; for checkpoints picked with
     --checkpoint, those of the newest one picked (its meta says when it was saved), so a
-    score of an earlier checkpoint is drawn at its own time. UsageError naming --record
-    when a run has no record of time."""
+    score of an earlier checkpoint is drawn at its own time; but checkpoint_best.npz, the
+    run's choice after all its validations, at the run's end, as without --checkpoint.
+    UsageError naming --record when a run has no record of time."""
     from .plots import PlotError, _records
     seconds, last_update = [], None
     for run in [args.run_dir, *(getattr(args, "ensemble", None) or ())]:
@@ -327,7 +328,10 @@ def _training_seconds(args):
         seconds.append(max(rec["time"] for rec in timed))
         if last_update is None:
             last_update = max(rec["update"] for rec in timed)
-    picked = [] if args.average_last else [ckpt.peek_meta(p) for p in args.checkpoint or ()]
+    # (a periodic checkpoint or a copy of one; the best is the run's choice: the run's end)
+    files = [] if args.average_last else args.checkpoint or ()
+    picked = [] if any(os.path.basename(p) == "checkpoint_best.npz" for p in files) else \
+        [ckpt.peek_meta(p) for p in files]
     if picked and all(isinstance(m.get("update"), int) and
                       isinstance(m.get("train_time"), (int, float)) for m in picked):
         newest = max(picked, key=lambda m: m["update"])
@@ -373,8 +377,9 @@ def _check_and_read(args, device, named):
     for flag, path in (("--input", args.input), ("--reference", args.reference)):
         if path not in (None, "-") and _is_stdout(path):
             raise UsageError(f"{flag} {path} is also where the translations go (standard "
-                             f"output); with `> {path}` the shell emptied it before "
-                             "translate.py started: write the translations to another file")
+                             f"output): with `> {path}` the shell has already emptied it, "
+                             f"with `>> {path}` they would be added to it; write the "
+                             "translations to another file")
     if args.reference:
         check_bleu_tokenize(args.bleu_tokenize)
     lines = read_text("--input", args.input)
