@@ -241,8 +241,8 @@ def check_settings():
 
 def main(argv=None):
     argparse.ArgumentParser(prog="python -m minitransformer.doctor",
-                            description=__doc__.split("\n\n")[0].split(": ", 1)[1]
-                            ).parse_args(argv)
+                            description="What this machine offers for training, and how to "
+                                        "fix what is missing.").parse_args(argv)
     print(f"minitransformer doctor: Python {platform.python_version()} on {platform.platform()}")
     blas_ok, lines = check_blas()
     settings = check_settings()

@@ -300,6 +300,30 @@ def test_any_loopback_address_is_this_machine_only(served):
         thread.join(10)
 
 
+def test_a_server_on_this_machines_name_answers_requests_to_that_name(served):
+    # --host $(hostname), a name that resolves to a loopback address (Debian: 127.0.1.1)
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError as exc:
+        pytest.skip(f"{name} does not resolve here ({exc})")
+    if not explore.is_loopback(address):
+        pytest.skip(f"{name} resolves to {address}, not a loopback address")
+    other = explore.make_server(served[0].explorer, host=name, port=0)
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = other.server_address[1]
+        status, out, _ = call(other, "/info", headers={"Host": f"{name}:{port}"})
+        assert status == 200, out
+        status, out, _ = call(other, "/info", headers={"Host": f"attacker.example:{port}"})
+        assert status == 403 and name in out["error"] and "--host 0.0.0.0" in out["error"], out
+    finally:
+        other.shutdown()
+        other.server_close()
+        thread.join(10)
+
+
 @pytest.mark.parametrize("method, path, code", [
     ("GET", "/translate", 405), ("PUT", "/translate", 405), ("DELETE", "/", 405),
     ("GET", "/nope", 404), ("POST", "/nope", 404), ("POST", "/", 405),

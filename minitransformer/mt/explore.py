@@ -197,19 +197,21 @@ class Handler(BaseHTTPRequestHandler):
     timeout = READ_TIMEOUT  # a client that stops sending mid-request is dropped after this
 
     def _foreign_host(self):
-        """True (and a 403 sent) for a request to a loopback-bound server whose Host is not
-        a loopback name: a page of another site whose name was made to resolve to this
-        machine (DNS rebinding) is same-origin with the server for its browser."""
+        """True (and a 403 sent) for a request to a loopback-bound server whose Host is
+        neither a loopback name nor the name it was started on (--host $(hostname), which
+        Debian maps to 127.0.1.1): a page of another site whose name was made to resolve to
+        this machine (DNS rebinding) is same-origin with the server for its browser."""
         host = self.headers.get("Host")
         bound = self.server.server_address[0]
         if host is None or not is_loopback(bound):
             return False
         name = urlsplit("//" + host).hostname or ""
-        if is_loopback(name):
+        if is_loopback(name) or name == self.server.host_name.lower().strip("[]"):
             return False
         self._discard_body()
         self._fail(403, f"the request's Host is {host!r}; this server answers requests to "
-                        "127.0.0.1 or localhost only (start it with --host to serve others)")
+                        f"{self.server.host_name}, localhost or a loopback address only "
+                        "(start it with --host 0.0.0.0 to serve others)")
         return True
 
     def do_GET(self):
@@ -379,6 +381,7 @@ class ExploreServer(ThreadingHTTPServer):
             self.address_family = socket.AF_INET6
         super().__init__(address, Handler)
         self.explorer = explorer
+        self.host_name = address[0]  # (as --host gave it: a request may name it in Host)
 
     @property
     def url(self) -> str:

@@ -13,7 +13,7 @@ import os
 
 from ..nn.transformer import CHOICES, PRESETS, TransformerConfig
 from .ranges import add_number, check_ranges
-from .translate import UsageError, add_bleu_tokenize, check_bleu_tokenize
+from .translation import add_bleu_tokenize, bleu_metric
 
 USAGE = """train.py: train a Transformer on parallel text, the paper's recipe (§5), from the
 command line.
@@ -389,9 +389,9 @@ def check_options(args):
                          f"give --max-updates N with N > --warmup ({args.warmup}), or "
                          "--max-time M to plan the decay to end with the M minutes")
     try:
-        check_bleu_tokenize(args.bleu_tokenize)
-    except UsageError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        bleu_metric(args.bleu_tokenize)
+    except ValueError as exc:  # (its packages are missing)
+        raise SystemExit(f"error: --bleu-tokenize {args.bleu_tokenize}: {exc}") from None
     if args.subword_alpha > 0 and args.spm_type != "unigram":
         raise SystemExit(f"error: --subword-alpha samples segmentations of a unigram model; "
                          f"this run's --spm-type is {args.spm_type}: add --spm-type unigram "

@@ -25,21 +25,13 @@ from .ensemble import Ensemble
 from .ranges import add_number
 from .rundir import RunDir
 from .tokenizer import Tokenizer
-from .translation import (BLEU_TOKENIZERS, WorkerDied, bleu_metric, corpus_bleu, cpu_count,
+from .translation import (WorkerDied, add_bleu_tokenize, bleu_metric, corpus_bleu, cpu_count,
                           max_source_tokens, translate_lines)
 
 USER_ERROR = 2     # a flag, a file or the run directory is wrong: the message says what to do
 MACHINE_ERROR = 1  # the machine could not finish: out of memory, output not writable
 INTERRUPTED = 128 + signal.SIGINT    # 130, as a shell reports a Ctrl-C
 BROKEN_PIPE = 128 + signal.SIGPIPE   # 141, as a shell reports `... | head`
-
-
-def add_bleu_tokenize(p, scored):
-    """--bleu-tokenize: sacreBLEU's tokenization for ``scored`` (what the help names)."""
-    p.add_argument("--bleu-tokenize", default="13a", choices=BLEU_TOKENIZERS,
-                   help=f"sacreBLEU's tokenization for {scored}: 13a (default; most "
-                        "languages), intl, zh (Chinese), ja-mecab or ko-mecab (Japanese, "
-                        "Korean; pip install 'sacrebleu[ja]' or 'sacrebleu[ko]'), char, none")
 
 
 def check_bleu_tokenize(tokenize):

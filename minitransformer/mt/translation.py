@@ -380,6 +380,15 @@ def translate_lines(model, tokenizer, lines, on_truncate=None, **search_options)
 BLEU_TOKENIZERS = ("13a", "intl", "zh", "ja-mecab", "ko-mecab", "char", "none")
 
 
+def add_bleu_tokenize(p, scored):
+    """--bleu-tokenize (translate.py, train.py): sacreBLEU's tokenization for ``scored``
+    (what the help names)."""
+    p.add_argument("--bleu-tokenize", default="13a", choices=BLEU_TOKENIZERS,
+                   help=f"sacreBLEU's tokenization for {scored}: 13a (default; most "
+                        "languages), intl, zh (Chinese), ja-mecab or ko-mecab (Japanese, "
+                        "Korean; pip install 'sacrebleu[ja]' or 'sacrebleu[ko]'), char, none")
+
+
 def bleu_metric(tokenize="13a"):
     """sacreBLEU's corpus BLEU (cased) with ``tokenize`` (one of BLEU_TOKENIZERS);
     ValueError saying what to install when that tokenizer's packages are missing."""
