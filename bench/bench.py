@@ -83,9 +83,13 @@ class Runner:
                                                  args.decode_max_tokens)
         self.step_count = 0
 
+    def imports(self):
+        """Import the framework's libraries (before setup's memory reading)."""
+
     def setup(self):
         fp = common.fingerprint([a for b in self.batches for a in b.values()])
         fp_dec = common.fingerprint(self.decode_srcs)
+        self.imports()  # (the framework's libraries count in the setup, not in the growth)
         rss_data = common.max_rss_mib()
         self.build()
         return dict(batches=fp, decode=fp_dec, rss_setup_mib=rss_data,
@@ -159,6 +163,12 @@ def noam_lr(step, d_model, warmup):
 
 
 class OursRunner(Runner):
+    def imports(self):
+        import minitransformer.nn.transformer  # noqa: F401
+        import minitransformer.optim  # noqa: F401
+        if self.args.device == "cuda":
+            import cupy  # noqa: F401
+
     def build(self):
         import minitransformer.nn.transformer as tr
         from minitransformer.optim import Adam, noam_lr as package_lr
@@ -278,13 +288,20 @@ class OursRunner(Runner):
         if self.device == "cuda":
             import cupy
             n = n or 8192
-            make = lambda n: cupy.random.standard_normal((n, n), dtype=cupy.float32)  # noqa
-            return dict(gflops=common.gemm_gflops(cupy.matmul, make, n, 5, self.sync), n=n)
+            dtype = cupy.float16 if self.args.precision == "float16" else cupy.float32
+            make = lambda n: cupy.random.standard_normal((n, n), dtype=cupy.float32  # noqa
+                                                         ).astype(dtype)
+            return dict(gflops=common.gemm_gflops(cupy.matmul, make, n, 5, self.sync), n=n,
+                        dtype=np.dtype(dtype).name)
         n = n or 2048
         return dict(gflops=common.numpy_gemm_gflops(n), n=n)
 
 
 class TorchRunner(Runner):
+    def imports(self):
+        import torch  # noqa: F401
+        import torch_reference  # noqa: F401
+
     def build(self):
         import torch
         import torch_reference as ref
@@ -395,6 +412,12 @@ class TorchRunner(Runner):
 
     def search(self, kind, src):
         src = self.torch.from_numpy(src).to(self.device)
+        if self.args.precision == "float16":  # as ours decodes then: in float16 (autocast)
+            with self.torch.autocast("cuda", dtype=self.torch.float16):
+                return self._search(kind, src)
+        return self._search(kind, src)
+
+    def _search(self, kind, src):
         if kind == "greedy":
             return self.ref.greedy_search(self.model, src, max_len_a=self.args.max_len_a)
         return self.ref.beam_search(self.model, src, beam=self.args.beam, alpha=0.6,
@@ -403,7 +426,8 @@ class TorchRunner(Runner):
     def gemm(self, n=None):
         t = self.torch
         n = n or (8192 if self.device.type == "cuda" else 2048)
-        make = lambda n: t.randn(n, n, device=self.device)  # noqa: E731
+        dtype = t.float16 if self.args.precision == "float16" else t.float32
+        make = lambda n: t.randn(n, n, device=self.device, dtype=dtype)  # noqa: E731
         return dict(gflops=common.gemm_gflops(t.matmul, make, n, 5, self.sync), n=n)
 
 
@@ -669,7 +693,10 @@ def run_config(name, args, machine, peak):
             res["profile"] = workers["ours"]("profile", steps=3, top=15)
             print(textwrap.indent(res["profile"]["text"], "   "), flush=True)
 
-        res["gemm"] = {fw: workers[fw]("gemm", n=args.gemm_size) for fw in frameworks}
+        res["gemm"] = {}
+        for fw in frameworks:  # (one after the other, each after the pause, as the steps)
+            time.sleep(SETTLE_SECONDS)
+            res["gemm"][fw] = workers[fw]("gemm", n=args.gemm_size)
 
         # ---- decoding: one process each, and (--ranks) as ranks sharing out the sentences
         decoders = list(frameworks) + (ranked if args.device == "cpu" else [])
@@ -948,9 +975,9 @@ def main(argv=None):
     for name in configs:
         res = run_config(name, args, machine, peak or dict(gflops=float("nan")))
         if args.device == "cuda":  # MFU against CuPy's GEMM rate on the GPU
-            g = res["gemm"]["ours"]["gflops"]
-            res["peak"] = dict(gflops=g, how=f"cupy float32 matmul {res['gemm']['ours']['n']}^3",
-                               device="cuda")
+            g, gemm = res["gemm"]["ours"]["gflops"], res["gemm"]["ours"]
+            res["peak"] = dict(gflops=g, how=f"cupy {gemm.get('dtype', 'float32')} matmul "
+                               f"{gemm['n']}^3 (the run's precision)", device="cuda")
             for fw in res["train"]:
                 res["train"][fw]["mfu"] = res["train"][fw]["flops_per_s"] / (g * 1e9)
         else:  # the best GEMM rate seen, at the start or after training (a shared machine)

@@ -122,11 +122,12 @@ def gpu_decoding_models(configs):
 
 def interleaved(runs, sync, rounds=6):
     """Each of ``runs`` ({label: function -> outputs}) in turn, ``rounds`` times (the first
-    round a warm-up), timed between ``sync`` calls -> ({label: median seconds of the other
-    rounds}, {label: its outputs})."""
+    round a warm-up; the order reversed every other round, so none always runs first),
+    timed between ``sync`` calls -> ({label: median seconds of the other rounds}, {label:
+    its outputs})."""
     times, outputs = {label: [] for label in runs}, {}
-    for _ in range(rounds):
-        for label, run in runs.items():
+    for r in range(rounds):
+        for label, run in (list(runs.items()) if r % 2 == 0 else list(runs.items())[::-1]):
             sync()
             t0 = time.perf_counter()
             outputs[label] = run()
@@ -135,14 +136,14 @@ def interleaved(runs, sync, rounds=6):
     return {label: statistics.median(t[1:]) for label, t in times.items()}, outputs
 
 
-def ab_line(name, what, med, outputs, new, old):
+def ab_line(name, what, med, outputs, new, old, rounds=6):
     """The A/B scripts' line: ``what`` timed with (``new``) and without (``old``), the
-    ratio, and how many of the sentences (``outputs``: label -> batches of outputs) came out
-    the same."""
+    ratio (medians of ``rounds`` - 1 timed rounds, as ``interleaved`` ran them), and how
+    many of the sentences (``outputs``: label -> batches of outputs) came out the same."""
     same = sum(a == b for x, y in zip(outputs[new], outputs[old]) for a, b in zip(x, y))
     n = sum(len(x) for x in outputs[new])
-    return (f"{name}: {what} over {n} sentences, median of 5: with {med[new]:.3f} s, without "
-            f"{med[old]:.3f} s -> {med[old] / med[new]:.2f}x; identical translations "
+    return (f"{name}: {what} over {n} sentences, median of {rounds - 1}: with {med[new]:.3f} s, "
+            f"without {med[old]:.3f} s -> {med[old] / med[new]:.2f}x; identical translations "
             f"{same}/{n}")
 
 def shard_rows(batch, rank, size, pad_id=0):
