@@ -8,6 +8,7 @@ reason when either is missing: `pip install playwright` and `apt-get install chr
 (Playwright's own browser download is not needed). The browser test saves a screenshot in its
 tmp_path, and also as tests/artifacts/explore.png when MINITRANSFORMER_KEEP_ARTIFACTS is set.
 """
+import contextlib
 import json
 import os
 import queue
@@ -67,6 +68,19 @@ def served(run):
     server.shutdown()
     server.server_close()
     thread.join(10)
+
+
+@contextlib.contextmanager
+def serving(server):
+    """``server`` answering in a thread for the block -> its port; closed after."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
 
 
 def call(server, path, body=None, method=None, headers=None):
@@ -286,18 +300,11 @@ def test_any_loopback_address_is_this_machine_only(served):
         other = explore.make_server(served[0].explorer, host="127.0.0.2", port=0)
     except OSError as exc:
         pytest.skip(f"cannot listen on 127.0.0.2 here ({exc})")
-    thread = threading.Thread(target=other.serve_forever, daemon=True)
-    thread.start()
-    try:
-        port = other.server_address[1]
+    with serving(other) as port:
         status, out, _ = call(other, "/info", headers={"Host": f"attacker.example:{port}"})
         assert status == 403, out
         status, out, _ = call(other, "/info", headers={"Host": f"127.0.0.2:{port}"})
         assert status == 200, out
-    finally:
-        other.shutdown()
-        other.server_close()
-        thread.join(10)
 
 
 def test_a_server_on_this_machines_name_answers_requests_to_that_name(served):
@@ -310,18 +317,11 @@ def test_a_server_on_this_machines_name_answers_requests_to_that_name(served):
     if not explore.is_loopback(address):
         pytest.skip(f"{name} resolves to {address}, not a loopback address")
     other = explore.make_server(served[0].explorer, host=name, port=0)
-    thread = threading.Thread(target=other.serve_forever, daemon=True)
-    thread.start()
-    try:
-        port = other.server_address[1]
+    with serving(other) as port:
         status, out, _ = call(other, "/info", headers={"Host": f"{name}:{port}"})
         assert status == 200, out
         status, out, _ = call(other, "/info", headers={"Host": f"attacker.example:{port}"})
         assert status == 403 and name in out["error"] and "--host 0.0.0.0" in out["error"], out
-    finally:
-        other.shutdown()
-        other.server_close()
-        thread.join(10)
 
 
 @pytest.mark.parametrize("method, path, code", [
