@@ -121,6 +121,13 @@ def test_append_record_puts_the_record_on_a_line_of_its_own(tmp_path):
             text = fh.read()
         assert text.endswith("\n") and [json.loads(line) for line in text.splitlines()] == \
             kept + [new], (before, text)
+    # train.py's own test record goes through it too
+    with open(rd.metrics, "w") as fh:
+        fh.write('{"update": 4, "loss": 1.0}\n{"update": 5, "lo')
+    test = {"update": 4, "test_split": "test", "test_bleu": 2.0, "test_checkpoints": "x"}
+    rd.add_test_record(test)
+    with open(rd.metrics) as fh:
+        assert [json.loads(line) for line in fh] == [{"update": 4, "loss": 1.0}, test]
 
 
 def test_a_test_scored_again_the_same_way_replaces_its_record(tmp_path):

@@ -142,10 +142,13 @@ def average_checkpoints(paths):
             for k, v in params.items():
                 total[k] += v
         sha = meta.get("spm_sha256")  # (None: a checkpoint that does not record it)
-        if sha is not None and vocab is not None and sha != vocab[1]:
+        if sha is None:
+            continue
+        if vocab is None:
+            vocab = (p, sha)  # the first checkpoint that records its vocabulary
+        elif sha != vocab[1]:
             raise CheckpointError(f"cannot average {p} with {vocab[0]}: they were trained "
                                   "with different sentencepiece vocabularies")
-        vocab = vocab or (None if sha is None else (p, sha))
     if vocab is not None:
         meta0 = {**meta0, "spm_sha256": vocab[1]}
     return {k: (v / len(paths)).astype(np.float32) for k, v in total.items()}, meta0

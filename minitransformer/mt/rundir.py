@@ -160,8 +160,7 @@ class RunDir:
                 if not (rec is not None and "test_bleu" in rec and "recorded_by" not in rec
                         and all(rec.get(k) == record.get(k) for k in same))]
         if len(kept) == len(lines):
-            with open(self.metrics, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record) + "\n")
+            self.append_record(record)
         else:
             self._rewrite_metrics(kept + [json.dumps(record)])
 

@@ -137,13 +137,13 @@ def load_model(run_dir, checkpoints=None, average_last=0, device="cpu"):
 
 # ----------------------------------------------------------------------------- checks
 
-def check_device(device, named=None):
+def check_device(device, named):
     """-> the array module for ``device``; UsageError naming where it came from (``named``,
-    from backend.chosen_device; default --device) when it cannot run."""
+    from backend.chosen_device) when it cannot run."""
     try:
         return backend.get_xp(device)
     except (ValueError, RuntimeError) as exc:
-        raise UsageError(f"{named or '--device ' + device}: {exc}") from None
+        raise UsageError(f"{named}: {exc}") from None
 
 
 def check_run_dir(args):
